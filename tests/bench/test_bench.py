@@ -1,0 +1,134 @@
+"""The main benchmark in --quick mode: its figures are all there and say what tracedac promises."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tracedac.bench import checkpointing, probe
+from tracedac.bench.__main__ import main
+
+TRACEDAC = ("tracedac_recompute_all", "tracedac_save_matmuls")
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """One --quick run shared by the tests that read its figures.
+
+    Its timings mean nothing, so it runs on one thread: on a loaded machine idle OpenMP
+    workers spin and turn a tiny model's seconds into a minute.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield checkpointing.run(quick=True, progress=None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def rows(result) -> dict:
+    return {r["key"]: r for r in result["variants"]}
+
+
+def test_every_variant_reports_time_memory_gradient_difference_and_tokens(quick):
+    assert [r["key"] for r in quick["variants"]] == [
+        "none", "torch", "torch_sac", "torch_remat", *TRACEDAC,
+    ]
+    for row in quick["variants"]:
+        if row["status"] != "ok":
+            assert row["key"] == "torch_remat" and row["status"] == "not installed"
+            continue
+        assert len(row["step_times_s"]) == quick["steps"]
+        assert row["step_s"] > 0 and row["step_vs_none"] > 0
+        assert row["bytes_held"] > 0
+        assert 0 <= row["python_bytes_held"]
+        assert row["max_grad_diff"] >= 0
+        assert row["tokens_counted"] > 0
+    assert rows(quick)["none"]["step_vs_none"] == 1.0
+    tracing = quick["tracing"]
+    assert tracing["plain_forward_s"] > 0 and tracing["traced_forward_s"] > 0
+    assert len(tracing["plain_times_s"]) == len(tracing["traced_times_s"]) == quick["steps"]
+
+
+def test_tracedac_gradients_equal_the_run_without_checkpointing(quick):
+    """Dropout is on: replay must draw the forward's random numbers, or gradients drift."""
+    for key in TRACEDAC:
+        assert rows(quick)[key]["max_grad_diff"] <= 1e-6
+
+
+def test_tracedac_counts_each_token_once_and_torch_checkpoint_counts_it_twice(quick):
+    """The router's buffer update is Python in the forward; re-running the forward repeats it."""
+    cfg = checkpointing.QUICK
+    true = cfg.tokens * cfg.top_k * cfg.layers
+    by = rows(quick)
+    assert by["none"]["true_tokens"] == true
+    assert by["none"]["tokens_counted"] == true
+    for key in TRACEDAC:
+        assert by[key]["tokens_counted"] == true
+    assert by["torch"]["tokens_counted"] == 2 * true
+
+
+def test_the_probe_sees_that_torch_checkpoint_holds_fewer_bytes_than_no_checkpoint(quick):
+    """A probe that missed saved activations would make every memory figure meaningless.
+
+    Only torch's is compared: on the quick model tracedac's recorded graph (Python objects,
+    counted under PYTHONMALLOC=malloc) outweighs the few activations it saves.
+    """
+    by = rows(quick)
+    assert by["torch"]["bytes_held"] < by["none"]["bytes_held"]
+
+
+def test_each_target_is_reported_with_its_value_limit_and_verdict(quick):
+    names = [t["name"] for t in quick["targets"]]
+    assert len(names) == 5
+    for target in quick["targets"]:
+        assert target["value"] > 0
+        assert target["passed"] is (target["value"] <= target["limit"])
+    text = checkpointing.format_report(quick)
+    assert text.count("PASS") + text.count("FAIL") == 5
+
+
+def test_a_missing_torch_remat_shows_as_not_installed_and_the_rest_still_reports(quick):
+    result = copy.deepcopy(quick)
+    for i, row in enumerate(result["variants"]):
+        if row["key"] == "torch_remat":
+            result["variants"][i] = {k: row[k] for k in ("key", "label", "tracedac", "true_tokens")}
+            result["variants"][i]["status"] = "not installed"
+    text = checkpointing.format_report(result)
+    assert "torch_remat" in text and "not installed" in text
+    assert "tracedac save_matmuls" in text
+
+
+def test_the_probe_sees_a_4_mib_tensor_at_the_allocator():
+    before = probe.allocated_bytes()
+    t = torch.ones(1 << 20)  # [1M] fp32: 4 MiB
+    grown = probe.allocated_bytes() - before
+    del t
+    assert 4 << 20 <= grown < 5 << 20
+
+
+def test_the_cli_writes_every_figure_as_json(tmp_path):
+    path = tmp_path / "figures.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # see the quick fixture
+    done = subprocess.run(
+        [sys.executable, "-m", "tracedac.bench", "--quick", "--steps", "1", "--json", str(path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(path.read_text())
+    assert {"config", "variants", "tracing", "targets", "wall_s"} <= figures.keys()
+    assert "targets:" in done.stdout
+    assert "[1/6]" in done.stderr  # progress goes to stderr
+
+
+def test_the_cli_refuses_sizes_that_cannot_build_a_model(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--dim", "30", "--heads", "4"])
+    assert exit.value.code == 2
+    assert "dim=30 does not split into heads=4" in capsys.readouterr().err

@@ -1,0 +1,462 @@
+"""The public ways to checkpoint, and the semantics a user relies on."""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import tracedac
+from tracedac import CheckpointError, checkpoint, checkpoint_call, policies, wrap
+
+from .util import OpCounter, assert_same_grads, grads
+
+
+class Block(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):  # [B, T, D]
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D/H]
+        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Router(nn.Module):
+    """Counts tokens per expert in forward: the side effect re-running Python would double."""
+
+    def __init__(self, dim=32, experts=4, top_k=2):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.top_k = top_k
+        self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.long))
+
+    def forward(self, x):  # [N, D]
+        weights, experts = self.gate(x).softmax(-1).topk(self.top_k, dim=-1)  # [N, k]
+        self.tokens_per_expert.add_(torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel()))
+        return (x.unsqueeze(1) * weights.unsqueeze(-1)).sum(1)
+
+
+def block_loss(block, x):
+    return block(x).square().mean()
+
+
+def test_every_decorator_form_checkpoints_and_matches_eager():
+    """@checkpoint, @checkpoint(policy=...) and checkpoint(fn, policy=...) are one feature."""
+
+    def f(x, w):
+        return F.gelu(x @ w).sin().sum()
+
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    forms = [checkpoint(f), checkpoint(policy=policies.save_matmuls())(f), checkpoint(f, policy=policies.recompute_all())]
+
+    @checkpoint
+    def g(x, w):
+        return F.gelu(x @ w).sin().sum()
+
+    forms.append(g)
+    _, expected = grads(f, (x, w))
+    for form in forms:
+        out = form(x, w)
+        with OpCounter() as ops:
+            got = torch.autograd.grad(out, (x, w))
+        assert ops.counts[torch.ops.aten.gelu] == 1, "backward replayed the recorded gelu"
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert g.__name__ == "g"
+
+
+def test_checkpointed_module_is_the_same_module_with_the_same_state_dict():
+    """Wrapping must not rename parameters: checkpoints and optimizers keep working."""
+    blocks = nn.ModuleList(Block() for _ in range(2))
+    keys = list(blocks.state_dict())
+    params = [id(p) for p in blocks.parameters()]
+    blocks[0] = checkpoint(blocks[0], policy=policies.save_matmuls())
+    assert list(blocks.state_dict()) == keys
+    assert [id(p) for p in blocks.parameters()] == params
+    assert isinstance(blocks[0], Block)
+    twin = copy.deepcopy(blocks)
+    x = torch.randn(2, 8, 32)
+    a, b = blocks[1](blocks[0](x)), twin[1](twin[0](x))
+    assert torch.equal(a, b)
+
+
+def test_checkpointed_module_gives_eager_gradients_bitwise():
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    params = [x, *block.parameters()]
+    _, expected = grads(functools.partial(block_loss, block), (x,), wrt=params)
+    checkpoint(block)
+    out = block_loss(block, x)
+    with OpCounter() as ops:
+        got = torch.autograd.grad(out, params)
+    assert ops.counts[torch.ops.aten.native_layer_norm] == 2, "backward replayed both layer norms"
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_checkpointing_a_module_twice_is_refused():
+    block = checkpoint(Block())
+    with pytest.raises(CheckpointError, match="already checkpointed"):
+        checkpoint(block)
+
+
+def test_checkpoint_rejects_what_it_cannot_wrap():
+    with pytest.raises(TypeError, match="function or an nn.Module"):
+        checkpoint(3)
+    with pytest.raises(TypeError, match="policy is a callable"):
+        checkpoint(lambda x: x, policy="save_matmuls")
+
+
+def test_checkpoint_call_has_torchs_calling_convention():
+    """Libraries pass their checkpoint function torch's arguments; they must just work."""
+
+    def layer(x, scale, *, bias=None):
+        return (x * scale + bias).tanh().sum()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    bias = torch.randn(4, requires_grad=True)
+    expected = torch.autograd.grad(layer(x, 2.0, bias=bias), (x, bias))
+    hf_style = functools.partial(checkpoint_call, use_reentrant=False)  # gradient_checkpointing_func
+    out = hf_style(layer, x, 2.0, bias=bias, preserve_rng_state=True, determinism_check="default")
+    got = torch.autograd.grad(out, (x, bias))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_checkpoint_call_refuses_reentrant_and_context_fn():
+    x = torch.randn(2, requires_grad=True)
+    with pytest.raises(CheckpointError, match="use_reentrant=False"):
+        checkpoint_call(torch.sin, x, use_reentrant=True)
+    sac = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    with pytest.raises(CheckpointError, match="policy=tracedac.policies.save_ops"):
+        checkpoint_call(torch.sin, x, use_reentrant=False, context_fn=sac)
+
+
+def test_wrap_checkpoints_matching_modules_and_not_their_children():
+    model = nn.Sequential(Block(), nn.Sequential(Block(), nn.Linear(32, 32)))
+    wrap(model, Block)
+    assert [n for n, m in model.named_modules() if hasattr(m, "_tracedac")] == ["0", "1.0"]
+    model = nn.Sequential(Block(), nn.Linear(32, 32))
+    wrap(model, (nn.Linear,))
+    assert [n for n, m in model.named_modules() if hasattr(m, "_tracedac")] == ["0.qkv", "0.proj", "0.fc", "0.out", "1"]
+    model = nn.Sequential(Block(), Block())
+    wrap(model, lambda name, m: name == "1")
+    assert [n for n, m in model.named_modules() if hasattr(m, "_tracedac")] == ["1"]
+
+
+def test_wrap_says_when_nothing_matched_and_rejects_bad_matchers():
+    with pytest.raises(ValueError, match="matched no module.*Block"):
+        wrap(nn.Sequential(Block()), nn.Conv2d)
+    with pytest.raises(TypeError, match="nn.Module class"):
+        wrap(nn.Sequential(Block()), "Block")
+    with pytest.raises(TypeError, match="nn.Module classes"):
+        wrap(nn.Sequential(Block()), (Block, int))
+
+
+def test_python_in_a_region_runs_once_while_torch_checkpoint_runs_it_twice():
+    """The reason tracedac exists: hooks, counters and buffer updates happen once."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, requires_grad=True)
+    router = Router()
+    calls = []
+    router.register_forward_pre_hook(lambda m, a: calls.append("pre"))
+    router.register_forward_hook(lambda m, a, o: calls.append("post"))
+    torch_checkpoint(router, x, use_reentrant=False).sum().backward()
+    assert router.tokens_per_expert.sum().item() == 2 * 16 * 2 and calls.count("pre") == 2
+
+    router.tokens_per_expert.zero_()
+    calls.clear()
+    expected = torch.autograd.grad(router(x).sum(), (x, router.gate.weight))
+    router.tokens_per_expert.zero_()
+    calls.clear()
+    checkpoint(router)
+    got = torch.autograd.grad(router(x).sum(), (x, router.gate.weight))
+    assert router.tokens_per_expert.sum().item() == 16 * 2, "tokens counted once"
+    assert calls == ["pre", "post"], "hooks fired once"
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_random_ops_replay_the_same_numbers_and_leave_the_generator_where_eager_does():
+    def f(x):
+        h = F.dropout(x, 0.5, training=True) + torch.rand_like(x) + torch.randn(x.shape)
+        mask = torch.empty_like(x).bernoulli_(0.3)
+        return (h * mask * torch.randperm(x.shape[-1]).float()).exp().sum()
+
+    x = torch.randn(8, 16, requires_grad=True)
+    out0, g0 = grads(f, (x,), seed=3)
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(3)
+    out1 = checkpoint(f)(x)
+    (g1,) = torch.autograd.grad(out1, (x,))
+    assert torch.equal(out0, out1) and torch.equal(g0[0], g1)
+    assert torch.equal(torch.get_rng_state(), after_eager)
+
+
+def test_random_ops_with_an_explicit_generator_replay_from_that_generator():
+    gen = torch.Generator().manual_seed(5)
+
+    def f(x):
+        return (x * torch.rand(x.shape, generator=gen)).exp().sum()
+
+    x = torch.randn(6, requires_grad=True)
+    (g0,) = torch.autograd.grad(f(x), (x,))
+    state = gen.get_state()
+    gen.manual_seed(5)
+    (g1,) = torch.autograd.grad(checkpoint(f)(x), (x,))
+    assert torch.equal(g0, g1) and torch.equal(gen.get_state(), state)
+
+
+class EMA(nn.Module):
+    def __init__(self, copy_before_use=False):
+        super().__init__()
+        self.copy_before_use = copy_before_use
+        self.register_buffer("avg", torch.ones(8))
+
+    def forward(self, x):
+        avg = self.avg.clone() if self.copy_before_use else self.avg
+        y = (x * avg).sin()  # autograd saves avg as it is now...
+        with torch.no_grad():
+            self.avg.mul_(0.5).add_(x.detach().mean(0))  # ...and then it changes
+        return (y * self.avg.clone()).sum()
+
+
+def test_a_buffer_autograd_saved_and_then_updated_in_forward_is_met_from_a_copy():
+    """Eager refuses this program; the region keeps the value from before the write."""
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        EMA()(x).backward()
+    eager = EMA(copy_before_use=True)  # the same values, written so eager accepts it
+    (expected,) = torch.autograd.grad(eager(x), (x,))
+    ck = checkpoint(EMA())
+    (got,) = torch.autograd.grad(ck(x), (x,))
+    assert torch.equal(got, expected) and torch.equal(ck.avg, eager.avg), "updated once"
+
+
+def test_a_tensor_changed_between_forward_and_backward_is_refused_by_name():
+    """torch's checkpoint silently replays with the new value: every gradient is wrong."""
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("expert_bias", torch.zeros(4))
+            self.w = nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x):
+            return ((x @ self.w + self.expert_bias).softmax(-1) ** 2).sum()
+
+    gate = checkpoint(Gate())
+    loss = gate(torch.randn(3, 8))
+    gate.expert_bias.add_(1.0)  # e.g. aux-loss-free balancing, between forward and backward
+    with pytest.raises(CheckpointError, match="buffer 'expert_bias'.*modified in place after the forward"):
+        loss.backward()
+
+
+def test_an_input_autograd_saved_and_changed_after_forward_is_refused():
+    x = torch.randn(4, 4)
+    w = torch.randn(4, 4, requires_grad=True)
+    loss = checkpoint(lambda x, w: (x @ w).sum())(x, w)
+    x.mul_(2)
+    with pytest.raises(CheckpointError, match="argument 0 of shape \\[4, 4\\].*modified in place"):
+        loss.backward()
+
+
+def test_a_kept_output_changed_after_forward_is_rebuilt_from_the_graph():
+    """What eager refuses (a saved tensor modified), replay can answer exactly."""
+
+    def f(x):
+        e = x.exp()  # kept by the policy, saved by the mul below
+        return e, (e * x.sin()).sum()  # sin's output is replayed from x, so x is kept
+
+    x = torch.randn(4, 4, requires_grad=True)
+    expected = torch.autograd.grad(f(x)[1], x)[0]
+    e, loss = checkpoint(f, policy=policies.save_ops(torch.ops.aten.exp))(x)
+    with torch.no_grad():
+        e.mul_(3)
+    assert torch.equal(torch.autograd.grad(loss, x)[0], expected)
+
+
+def test_a_kept_output_changed_after_forward_that_cannot_be_rebuilt_is_refused():
+    x = torch.randn(4, 4, requires_grad=True)
+    y = checkpoint(lambda x: x.exp(), policy=policies.save_all())(x)
+    with torch.no_grad():
+        y.mul_(3)
+    with pytest.raises(CheckpointError, match="aten.exp.default .*kept for backward, was modified in place after the forward"):
+        y.backward(torch.ones_like(y))
+
+
+def test_nested_checkpoints_match_eager_and_run_python_once():
+    calls = []
+
+    def inner(h):
+        calls.append("inner")
+        return F.gelu(h).sin()
+
+    def outer(x, w):
+        calls.append("outer")
+        h = x @ w
+        return (checkpoint(inner)(h) * h).sum()
+
+    x = torch.randn(8, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    _, expected = grads(outer, (x, w))
+    calls.clear()
+    for policy in (policies.recompute_all(), policies.save_matmuls()):
+        out = checkpoint(outer, policy=policy)(x, w)
+        got = torch.autograd.grad(out, (x, w))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert calls == ["outer", "inner"] * 2
+
+
+def test_retain_graph_allows_a_second_backward_and_without_it_raises_like_eager():
+    block = checkpoint(Block())
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    loss = block_loss(block, x)
+    (g1,) = torch.autograd.grad(loss, (x,), retain_graph=True)
+    (g2,) = torch.autograd.grad(loss, (x,))
+    assert torch.equal(g1, g2)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(loss, (x,))
+
+
+def test_autograd_grad_with_inputs_and_inputs_of_which_only_some_require_grad():
+    def f(x, y, z):
+        return (x @ y).relu().mul(z).sum()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    y = torch.randn(4, 4)  # no grad
+    z = torch.randn(4, requires_grad=True)
+    out0 = f(x, y, z)
+    out0.backward(inputs=[z])
+    expected = z.grad.clone()
+    z.grad = None
+    checkpoint(f)(x, y, z).backward(inputs=[z])
+    assert torch.equal(z.grad, expected) and x.grad is None
+
+
+def test_under_no_grad_a_region_just_runs():
+    calls = []
+
+    @checkpoint
+    def f(x):
+        calls.append(1)
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        y = f(x)
+    assert torch.equal(y, x.sin()) and calls == [1] and y.grad_fn is None
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_non_tensor_none_keyword_and_nested_container_arguments_and_outputs():
+    def f(x, scale, maybe=None, *, mode="sum", extra=None):
+        h = (x * scale).sin()
+        return {"loss": h.sum() if mode == "sum" else h.mean(), "parts": [h, None, (x.cos(), 3)], "tag": mode, "extra": extra}
+
+    x = torch.randn(5, requires_grad=True)
+    ref = f(x, 2.0, None, mode="mean")
+    out = checkpoint(f)(x, 2.0, None, mode="mean")
+    assert out["tag"] == "mean" and out["extra"] is None and out["parts"][1] is None and out["parts"][2][1] == 3
+    total = lambda o: o["loss"] + o["parts"][0].sum() + o["parts"][2][0].sum()
+    assert torch.equal(torch.autograd.grad(total(ref), x)[0], torch.autograd.grad(total(out), x)[0])
+
+
+def test_autocast_inside_a_region_matches_eager_autocast():
+    block = Block()
+    x = torch.randn(2, 8, 32, requires_grad=True)
+
+    def f(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return block(x).float().square().mean()
+
+    assert_same_grads(f, (x,), wrt=[x, *block.parameters()])
+
+
+def test_custom_autograd_functions_and_library_ops_replay():
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x**3
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3 * x**2 * g
+
+    @torch.library.custom_op("tracedac_test::scaled_sin", mutates_args=())
+    def scaled_sin(x: torch.Tensor, s: float) -> torch.Tensor:
+        return torch.sin(x) * s
+
+    @scaled_sin.register_fake
+    def _(x, s):
+        return torch.empty_like(x)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.s = inputs[1]
+
+    scaled_sin.register_autograd(lambda ctx, g: (g * torch.cos(ctx.saved_tensors[0]) * ctx.s, None), setup_context=setup)
+
+    def f(x):
+        h = Cube.apply(x.exp())
+        return scaled_sin(h.tanh(), 2.0).sum()
+
+    x = torch.randn(6, requires_grad=True)
+    out = checkpoint(f)(x)
+    with OpCounter() as ops:
+        (g,) = torch.autograd.grad(out, (x,))
+    assert ops.counts[torch.ops.tracedac_test.scaled_sin] == 0, "its output is not needed by backward"
+    assert ops.counts[torch.ops.aten.tanh] == 1
+    assert torch.equal(g, torch.autograd.grad(f(x), (x,))[0])
+
+
+def test_a_second_order_gradient_through_a_region_is_refused():
+    x = torch.randn(4, requires_grad=True)
+    y = checkpoint(lambda x: x.exp().sum())(x)  # exp saves its result: rebuilt without history
+    with pytest.raises(CheckpointError, match="create_graph=True"):
+        torch.autograd.grad(y, x, create_graph=True)
+    y = checkpoint(lambda x: x.sin().sum())(x)  # sin saves its input: kept as is, so it works
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    assert torch.equal(torch.autograd.grad(g.sum(), x)[0], -x.sin())
+
+
+def test_name_returns_its_tensor_and_checks_its_arguments():
+    x = torch.randn(3)
+    assert tracedac.name(x, "anything") is x  # outside a region: nothing to label
+    with pytest.raises(TypeError, match="non-empty string"):
+        tracedac.name(x, "")
+    with pytest.raises(TypeError, match="labels a tensor"):
+        tracedac.name(3, "x")
+
+
+def test_an_exception_in_a_region_leaves_no_mode_or_hooks_behind():
+    @checkpoint
+    def f(x):
+        x.sin()
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        f(torch.randn(2, requires_grad=True))
+    module = checkpoint(nn.Linear(2, 2))
+    module.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(KeyError("pre")))
+    with pytest.raises(KeyError):
+        module(torch.randn(2))
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    y = torch.randn(2, requires_grad=True).exp()
+    assert y.grad_fn._saved_result is not None  # autograd saves plainly again: no hooks left

@@ -1,0 +1,114 @@
+"""Policy objects: values that compare, hash and print; factories that refuse bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy
+
+import tracedac
+from tracedac import CheckpointError, checkpoint, policies
+from tracedac.checkpoint import reporting
+
+from .util import OpCounter, assert_same_grads
+
+aten = torch.ops.aten
+
+
+def test_policies_are_values_that_compare_hash_and_print_as_their_call():
+    """Hashable policies can key a cache of plans; printing shows what was asked for."""
+    assert policies.save_ops(aten.mm, aten.bmm) == policies.save_ops(aten.bmm, aten.mm)
+    assert hash(policies.save_names("a", "b")) == hash(policies.save_names("b", "a"))
+    assert policies.recompute_all() == policies.recompute_all() != policies.save_all()
+    assert len({policies.save_matmuls(), policies.save_matmuls(), policies.recompute_all()}) == 2
+    assert repr(policies.save_matmuls()) == "save_matmuls()"
+    assert repr(policies.save_ops(aten.mm.default)) == "save_ops(aten.mm.default)"
+    combined = policies.either(policies.save_matmuls(), policies.either(policies.save_names("x"), policies.save_all()))
+    assert repr(combined) == "either(save_matmuls(), save_names('x'), save_all())"
+    with pytest.raises(AttributeError):
+        combined.policies = ()  # frozen
+
+
+def test_every_matmul_op_comes_with_its_reason():
+    assert {aten.mm, aten.bmm, aten.addmm, aten.baddbmm} <= set(policies.MATMUL_OPS)
+    assert any("attention" in str(op) for op in policies.MATMUL_OPS)
+    assert all(isinstance(reason, str) and len(reason) > 10 for reason in policies.MATMUL_OPS.values())
+
+
+def test_factories_refuse_what_is_not_an_op_or_label_and_say_what_to_pass():
+    with pytest.raises(TypeError, match=r"torch.ops.aten.mm \(every overload\)"):
+        policies.save_ops("mm")
+    with pytest.raises(TypeError, match="Python function; pass the aten op"):
+        policies.save_ops(torch.mm)
+    with pytest.raises(ValueError, match="at least one op"):
+        policies.save_ops()
+    with pytest.raises(TypeError, match="non-empty strings"):
+        policies.save_names("")
+    with pytest.raises(ValueError, match="at least one label"):
+        policies.save_names()
+    with pytest.raises(TypeError, match="policy is a callable"):
+        policies.either(policies.save_all(), 3)
+
+
+def test_save_ops_matches_a_packet_or_a_single_overload():
+    def f(x, w):
+        return (x @ w).relu().sum()
+
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    for policy, replayed_mm in [(policies.save_ops(aten.mm), 0), (policies.save_ops(aten.mm.default), 0),
+                                (policies.save_ops(aten.mm.out), 1)]:
+        out = checkpoint(f, policy=policy)(x, w)
+        with OpCounter() as ops:
+            torch.autograd.grad(out, (x, w))
+        assert ops.counts[aten.mm] == 2 + replayed_mm, policy
+
+
+def test_save_names_keeps_what_name_labelled():
+    def f(x):
+        h = tracedac.name(x.exp().sigmoid(), "h")
+        return (h.tanh() * h).sum()
+
+    x = torch.randn(8, requires_grad=True)
+    out = checkpoint(f, policy=policies.save_names("h"))(x)
+    with OpCounter() as ops:
+        torch.autograd.grad(out, x)
+    assert ops.counts[aten.sigmoid] == 0, "h is kept"
+    assert ops.counts[aten.tanh] == 1, "tanh(h) is not: replayed from the kept h"
+    assert_same_grads(f, (x,), policy=policies.save_names("h"))
+
+
+def test_either_keeps_what_any_keeps_and_must_beats_prefer():
+    node = type("N", (), {"op": aten.mm.default, "labels": frozenset({"x"}), "name": "aten.mm.default", "index": 0})()
+    assert policies.either(policies.recompute_all(), policies.save_all())(node) == CheckpointPolicy.PREFER_SAVE
+    assert policies.either(policies.save_all(), lambda n: CheckpointPolicy.MUST_RECOMPUTE)(node) == CheckpointPolicy.MUST_RECOMPUTE
+    assert policies.either(policies.save_names("x"), policies.save_all())(node) == CheckpointPolicy.MUST_SAVE
+    with pytest.raises(CheckpointError, match="disagree on aten.mm.default.*MUST_SAVE.*MUST_RECOMPUTE"):
+        policies.either(policies.save_matmuls(), lambda n: CheckpointPolicy.MUST_RECOMPUTE)(node)
+
+
+def test_a_user_callable_sees_the_node_view():
+    seen = []
+
+    def policy(node):
+        seen.append((node.name, tuple(o.shape for o in node.outputs if o is not None), node.nbytes, node.flops,
+                     node.module_path, node.labels, node.is_random))
+        return CheckpointPolicy.MUST_SAVE if node.flops > 0 else CheckpointPolicy.PREFER_RECOMPUTE
+
+    lin = torch.nn.Linear(8, 16)
+    x = torch.randn(4, 8, requires_grad=True)
+    with reporting() as regions:
+        out = checkpoint(lambda x: F.dropout(lin(x), 0.5).sum(), policy=policy)(x)
+    addmm = next(s for s in seen if s[0] == "aten.addmm.default")
+    assert addmm[1] == ((4, 16),) and addmm[2] == 4 * 16 * 4 and addmm[3] == 2 * 4 * 8 * 16
+    assert addmm[4] == "Linear"
+    assert any(s[6] for s in seen), "dropout is random"
+    addmm_node = next(n for n in regions[0].graph.nodes if n.name == "aten.addmm.default")
+    assert addmm_node.meta["recompute"] == CheckpointPolicy.MUST_SAVE  # where torch's nodes carry it
+    out.backward()
+
+
+def test_a_policy_that_returns_something_else_is_refused_with_the_fix():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match="must return a torch.utils.checkpoint.CheckpointPolicy"):
+        checkpoint(lambda x: x.exp().sum(), policy=lambda node: True)(x)
+    with pytest.raises(CheckpointError, match="does not offload"):
+        checkpoint(lambda x: x.exp().sum(), policy=lambda node: CheckpointPolicy.MUST_CPU_OFFLOAD)(x)

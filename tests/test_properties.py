@@ -1,0 +1,130 @@
+"""Random programs under random policies give eager's gradients, and side effects run once."""
+
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch.utils.checkpoint import CheckpointPolicy
+
+import tracedac
+from tracedac import checkpoint, policies
+
+aten = torch.ops.aten
+SHAPE = (4, 6)
+
+
+def _fresh(t):
+    return t * 1.0  # a new tensor nothing has saved yet: safe to write in place in eager too
+
+
+# Each entry: (name, arity, fn(pool tensors..., w, extras) -> new tensor)
+TABLE = [
+    ("sin", 1, lambda a, e: a.sin()),
+    ("tanh", 1, lambda a, e: torch.tanh(a)),
+    ("sigmoid", 1, lambda a, e: a.sigmoid()),
+    ("gelu", 1, lambda a, e: F.gelu(a)),
+    ("relu", 1, lambda a, e: F.relu(a)),
+    ("square", 1, lambda a, e: a.square() * 0.5),
+    ("exp", 1, lambda a, e: a.tanh().exp()),
+    ("add", 2, lambda a, b, e: a + b),
+    ("mul", 2, lambda a, b, e: a * b),
+    ("sub", 2, lambda a, b, e: a - b),
+    ("where", 2, lambda a, b, e: torch.where(a > b, a, b)),
+    ("matmul", 1, lambda a, e: a @ e["w"]),
+    ("bmm", 1, lambda a, e: torch.bmm(a.view(2, 2, 6), e["w"].expand(2, 6, 6)).view(SHAPE)),
+    ("softmax", 1, lambda a, e: a.softmax(-1)),
+    ("layer_norm", 1, lambda a, e: F.layer_norm(a, (6,))),
+    ("row_sum", 1, lambda a, e: a * a.sum(-1, keepdim=True).tanh()),
+    ("col_max", 1, lambda a, e: a - a.amax(0, keepdim=True)),
+    ("transpose_view", 1, lambda a, e: a.t().reshape(6, 4).t().reshape(SHAPE).sin()),
+    ("slice_cat", 1, lambda a, e: torch.cat([a[:, 3:].cos(), a[:, :3]], dim=1)),
+    ("gather", 1, lambda a, e: a.gather(1, a.detach().argsort(1))),
+    ("dropout", 1, lambda a, e: F.dropout(a, 0.3, training=True)),
+    ("noise", 1, lambda a, e: a * torch.rand_like(a) + torch.randn(SHAPE) * 0.1),
+    ("mul_", 2, lambda a, b, e: _fresh(a).mul_(b)),
+    ("add_view_", 2, lambda a, b, e: _inplace_view(a, b)),
+    ("relu_", 1, lambda a, e: _fresh(a).relu_()),
+    ("index_add_", 2, lambda a, b, e: _fresh(a).index_add_(1, torch.tensor([0, 2, 0]), b[:, :3])),
+    ("slice_assign", 2, lambda a, b, e: _slice_assign(a, b)),
+    ("counter", 1, lambda a, e: _count(a, e)),
+]
+
+
+def _inplace_view(a, b):
+    y = _fresh(a)
+    y[:, 1:4].add_(b[:, :3])  # written through a view...
+    y.t()[0].mul_(2)  # ...and a view of a transpose
+    return y
+
+
+def _slice_assign(a, b):
+    out = torch.zeros(SHAPE)
+    out[:, :2] = a[:, :2].tanh().exp()
+    out[1:, 2:] = b[1:, 2:] * a[1:, 2:]
+    return out
+
+
+def _count(a, e):
+    e["calls"].append(1)  # Python side effect
+    e["buffer"].add_(a.detach().sum(0))  # and a buffer update, inside the region
+    return a * e["buffer"].tanh()
+
+
+def run(program, x, w, buffer, calls, labels):
+    extras = {"w": w, "buffer": buffer, "calls": calls}
+    pool = [x, x.cos()]
+    for step, (op, i, j) in enumerate(program):
+        name, arity, fn = TABLE[op]
+        args = [pool[i % len(pool)], pool[j % len(pool)]][:arity]
+        out = fn(*args, extras)
+        if step in labels:
+            tracedac.name(out, f"t{step}")
+        pool.append(out)
+    return sum(t.sigmoid().sum() for t in pool[1:])
+
+
+def random_policy(draw_policy, seed):
+    if draw_policy == 0:
+        return policies.recompute_all()
+    if draw_policy == 1:
+        return policies.save_all()
+    if draw_policy == 2:
+        return policies.save_matmuls()
+    if draw_policy == 3:
+        return policies.save_ops(aten.sin, aten.mul.Tensor, aten.relu_)
+    if draw_policy == 4:
+        return policies.either(policies.save_names("t1", "t3", "t4"), policies.save_matmuls())
+
+    def coin(node):  # a user callable: a deterministic coin per op and position
+        return CheckpointPolicy.PREFER_SAVE if hash((seed, node.index, node.name)) % 3 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return coin
+
+
+programs = st.lists(
+    st.tuples(st.integers(0, len(TABLE) - 1), st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=12
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=programs, which=st.integers(0, 5), seed=st.integers(0, 2**16), labels=st.sets(st.integers(0, 11)))
+def test_random_programs_under_random_policies_match_eager_and_run_python_once(program, which, seed, labels):
+    torch.manual_seed(seed)
+    x = torch.randn(SHAPE, requires_grad=True)
+    w = (torch.randn(6, 6) / 3).requires_grad_()
+
+    def attempt(fn):
+        buffer, calls = torch.zeros(6), []
+        torch.manual_seed(seed + 1)
+        loss = fn(program, x, w, buffer, calls, labels)
+        after_forward = torch.get_rng_state()
+        grads = torch.autograd.grad(loss, (x, w), allow_unused=True, materialize_grads=True)
+        assert torch.equal(torch.get_rng_state(), after_forward), "replay left the generator where it was"
+        return loss, grads, buffer, calls
+
+    loss0, grads0, buffer0, calls0 = attempt(run)
+    loss1, grads1, buffer1, calls1 = attempt(checkpoint(run, policy=random_policy(which, seed)))
+    bitwise = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(loss1, loss0, **bitwise)
+    for a, b in zip(grads1, grads0):
+        torch.testing.assert_close(a, b, **bitwise)
+    assert calls1 == calls0 and torch.equal(buffer1, buffer0), "side effects ran once"

@@ -1,0 +1,20 @@
+"""tracedac: activation checkpointing that records the forward instead of re-running it.
+
+See README.md for a tour. Everything public is re-exported here; nothing runs at import.
+"""
+
+from . import policies
+from .checkpoint import checkpoint, checkpoint_call, name, wrap
+from .errors import CheckpointError
+from .inspect import print_saved, saved_report
+
+__all__ = [
+    "CheckpointError",
+    "checkpoint",
+    "checkpoint_call",
+    "name",
+    "policies",
+    "print_saved",
+    "saved_report",
+    "wrap",
+]

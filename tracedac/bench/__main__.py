@@ -1,0 +1,93 @@
+"""``python -m tracedac.bench``: compare tracedac with torch's checkpointing and print the figures.
+
+By default it runs the checkpointing comparison on the embedded MoE model (see
+``checkpointing``); ``--kernels`` runs the kernel benchmark instead. Progress goes to
+stderr, the table to stdout, and ``--json PATH`` writes every figure. Targets that are
+missed are marked FAIL in the output; the exit status stays 0, since a slow machine is not
+an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields, replace
+
+from .model import Config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tracedac.bench",
+        description="Compare tracedac with torch.utils.checkpoint, torch's selective "
+        "checkpointing and torch_remat on a GPT-style MoE model: step time, bytes held after "
+        "forward, gradient difference, and how many times the MoE router counts its tokens.",
+    )
+    default = Config()
+    size = p.add_argument_group("model size (defaults: about a minute on a 2-core CPU)")
+    size.add_argument("--layers", type=int, default=default.layers, help="transformer blocks (%(default)s)")
+    size.add_argument("--dim", type=int, default=default.dim, help="hidden size (%(default)s)")
+    size.add_argument("--heads", type=int, default=default.heads, help="attention heads (%(default)s)")
+    size.add_argument("--experts", type=int, default=default.experts, help="MoE experts per block (%(default)s)")
+    size.add_argument("--top-k", type=int, default=default.top_k, help="experts per token (%(default)s)")
+    size.add_argument("--expert-hidden", type=int, default=default.expert_hidden,
+                      help="width of each expert's feed-forward (%(default)s)")
+    size.add_argument("--vocab", type=int, default=default.vocab, help="vocabulary size (%(default)s)")
+    size.add_argument("--batch", type=int, default=default.batch, help="sequences per step (%(default)s)")
+    size.add_argument("--seq", type=int, default=default.seq, help="tokens per sequence (%(default)s)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant, after one untimed (%(default)s)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (%(default)s)")
+    p.add_argument("--quick", action="store_true", help="a tiny built-in model (size flags are ignored) and at most two steps: "
+                   "checks the set-up in seconds")
+    p.add_argument("--kernels", action="store_true", help="run the kernel benchmark instead of the comparison")
+    p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def _config(args) -> Config:
+    names = {f.name for f in fields(Config)}
+    return replace(Config(), **{k: v for k, v in vars(args).items() if k in names})
+
+
+def _write_json(path: str, figures: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(figures, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.kernels:
+        try:
+            from . import kernels  # imported here: it may need packages the comparison does not
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.kernels":
+                raise
+            parser.error("--kernels runs tracedac/bench/kernels.py, which this installation does not have; "
+                         "run without --kernels for the checkpointing comparison.")
+        figures = kernels.run(quick=args.quick)
+        print(json.dumps(figures, indent=2, default=str))
+    else:
+        from . import checkpointing, probe
+
+        try:
+            cfg = _config(args)
+            checkpointing.check_settings(checkpointing.QUICK if args.quick else cfg, args.steps, args.device)
+        except (ValueError, probe.ProbeUnavailable) as e:
+            parser.error(str(e))
+        figures = checkpointing.run(cfg, steps=args.steps, device=args.device, quick=args.quick,
+                                    progress=None if args.quiet else sys.stderr)
+        print(checkpointing.format_report(figures))
+    if args.json:
+        _write_json(args.json, figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

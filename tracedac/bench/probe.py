@@ -1,0 +1,80 @@
+"""Bytes in use at the allocator, read from the allocator itself rather than from tracedac.
+
+On CPU this is glibc's ``mallinfo2()``: ``uordblks`` (bytes in chunks handed out from the
+heap arenas) plus ``hblkhd`` (bytes in chunks served by their own ``mmap``, which is where
+large tensors live). Both count what was allocated and not freed, not what the process
+maps, so a freed tensor leaves the figure at once even if glibc keeps the pages. On CUDA it
+is ``torch.cuda.memory_allocated()``, the bytes of live blocks in torch's caching allocator.
+
+What neither sees: CPython's small objects (512 bytes or less) live in arenas that CPython
+maps itself, so Python bookkeeping such as a recorded graph's nodes is mostly invisible on
+CPU; run under ``PYTHONMALLOC=malloc`` to route it through glibc and count it too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+
+import torch
+
+__all__ = ["ProbeUnavailable", "allocated_bytes", "describe"]
+
+
+class ProbeUnavailable(RuntimeError):
+    """The allocator of this platform cannot be asked how many bytes are in use."""
+
+
+class _MallInfo2(ctypes.Structure):
+    # Field order of glibc's struct mallinfo2 (malloc.h), all size_t.
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _mallinfo2():
+    """glibc's ``mallinfo2`` as a ctypes function; raises ProbeUnavailable without it."""
+    if not sys.platform.startswith("linux"):
+        raise ProbeUnavailable(
+            f"the CPU memory probe reads glibc's mallinfo2(), and this platform is {sys.platform!r}; "
+            "run the benchmark on Linux with glibc, or on a CUDA device (device='cuda')."
+        )
+    name = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        libc = ctypes.CDLL(name)
+        fn = libc.mallinfo2
+    except (OSError, AttributeError) as e:
+        raise ProbeUnavailable(
+            f"the CPU memory probe needs glibc 2.33 or newer for mallinfo2(), and {name!r} does not "
+            f"provide it ({e}); this happens with musl (Alpine) or an old glibc. Run the benchmark "
+            "on a glibc-based Linux (Debian, Ubuntu, Fedora...) or on a CUDA device (device='cuda')."
+        ) from e
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return fn
+
+
+def allocated_bytes(device: torch.device | str = "cpu") -> int:
+    """Bytes the allocator for ``device`` has handed out and not had back."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        info = _mallinfo2()()
+        return info.uordblks + info.hblkhd
+    raise ProbeUnavailable(
+        f"no memory probe for device type {device.type!r}: the benchmark reads glibc's "
+        "mallinfo2() on CPU and torch.cuda.memory_allocated() on CUDA. Run it on one of those."
+    )
+
+
+def describe(device: torch.device | str = "cpu") -> str:
+    """How ``allocated_bytes`` measures on ``device``, for the benchmark's output."""
+    if torch.device(device).type == "cuda":
+        return "torch.cuda.memory_allocated()"
+    return "glibc mallinfo2(): uordblks + hblkhd"

@@ -1,0 +1,426 @@
+"""Checkpointed regions and the ways to make one.
+
+A region is one call of a checkpointed function or module. Entering it pushes a
+``TracerMode`` and a ``saved_tensors_hooks`` pair; autograd's saved tensors become handles
+(``replay.Slot``) on the recorded graph. Leaving it plans what backward will replay and
+drops every reference the plan does not use, so the region holds no more than it keeps.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from .errors import CheckpointError
+from .graph import RegionGraph
+from .policies import check_policy, decision, is_save, recompute_all
+from .replay import Slot, plan
+from .trace import TracerMode, track_modules
+
+__all__ = ["checkpoint", "checkpoint_call", "name", "wrap"]
+
+_local = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_local, "regions", None)
+    if stack is None:
+        stack = _local.regions = []
+    return stack
+
+
+def _unpack(handle):
+    return handle.unpack()
+
+
+class Region:
+    """One call of a checkpointed callable: records it, packs what autograd saves, plans replay."""
+
+    def __init__(self, policy, name: str, *, module=None, module_names=None, report=False, args=(), kwargs=None):
+        self.policy = policy
+        self._constant = getattr(policy, "constant", None)  # a policy that never looks at the node
+        self.graph = RegionGraph(name, policy)
+        self.module = module
+        self.module_names = module_names if module_names is not None else {}
+        reporting = getattr(_local, "reporting", None)
+        self.report = report or reporting is not None
+        self.handles = [] if self.report else None  # every handle packed, for saved_report
+        self.kept: list = []  # handles holding their tensor, until the region ends
+        if reporting is not None:
+            reporting.append(self)
+        self.parent: Region | None = None
+        self.owner = None  # the module whose forward this region is, if any
+        # weak references to the call's tensor arguments, to name them in messages
+        self.arg_refs = [(f"argument {i}", weakref.ref(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        if kwargs:
+            self.arg_refs += [(f"argument {k!r}", weakref.ref(a)) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+        self.tracer = TracerMode(self.graph, self)
+        # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
+        # so nothing but the handles keeps the graph alive.
+        region = weakref.ref(self)
+        if self.report:
+            pack = lambda t: region().pack(t)  # noqa: E731
+        else:
+            pack = lambda t: region()._pack(t)  # noqa: E731
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+    # -- recording --
+    def decide(self, node) -> bool:
+        d = self._constant or decision(self.policy, node)
+        node.decision = d
+        return is_save(d)
+
+    def hold(self, group, tensor) -> None:
+        group.held = tensor
+
+    def pack(self, t: torch.Tensor):
+        handle = self._pack(t)
+        if self.handles is not None:
+            self.handles.append(handle)
+        return handle
+
+    def _pack(self, t: torch.Tensor):
+        # Autograd saves an op's inputs before the op reaches the tracer: an input seen for
+        # the first time has no group yet.
+        tracer = self.tracer
+        g = tracer.group_of(t) or tracer.external(t)
+        meta = tracer.meta(t, g)
+        if g.creator is None and not g.mutations:
+            if self.parent is not None and self.parent.can_rebuild(t):
+                return Slot(self.graph, meta)  # through the enclosing region's handle: not pinned
+            # An input as it came in: kept as eager keeps it. If the region writes it later,
+            # region exit plans its replay from the copy taken before the write.
+            slot = Slot(self.graph, meta, t, exact=True)
+        elif is_save(g.node.decision):
+            with torch._C._DisableTorchDispatch():
+                # detached: the saved output's grad_fn holds this handle; no reference cycle
+                slot = Slot(self.graph, meta, t.detach())
+        else:
+            return Slot(self.graph, meta)
+        self.kept.append(slot)
+        return slot
+
+    def can_rebuild(self, t: torch.Tensor) -> bool:
+        """Whether this region (or one around it) computed ``t`` and could replay it."""
+        if self.tracer is None:
+            return False
+        g = self.tracer.group_of(t)
+        if g is None:
+            return False
+        if g.creator is not None or g.mutations:
+            return True
+        return self.parent is not None and self.parent.can_rebuild(t)
+
+    # -- entering and leaving --
+    def __enter__(self):
+        stack = _stack()
+        self.parent = stack[-1] if stack else None
+        stack.append(self)
+        track_modules(True)
+        self.tracer.__enter__()
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self._hooks.__exit__(exc_type, exc, tb)
+            self.tracer.__exit__(exc_type, exc, tb)
+        finally:
+            track_modules(False)
+            stack = _stack()
+            if stack and stack[-1] is self:
+                stack.pop()
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            self.tracer.close()
+            self.tracer = self._hooks = None
+        return False
+
+    def _finish(self) -> None:
+        """Plan replay for every handle, then let go of everything the plan does not use."""
+        graph = self.graph
+        module = weakref.ref(self.module) if self.module is not None else None
+        graph.namer = functools.partial(_describe, module, self.arg_refs)
+        for g in graph.groups:
+            live = g.held if g.held is not None else g.external
+            if live is not None:
+                g.version = live._version
+        parent = self.parent
+        if parent is not None and parent.tracer is not None:
+            # An input of a nested region that the enclosing region computed: hold it as the
+            # enclosing region's handle, so it is replayed rather than pinned.
+            for g in graph.groups:
+                if g.external is not None and not g.mutations and parent.can_rebuild(g.external):
+                    g.outer, g.external = parent.pack(g.external), None
+        # What replay must be able to build: every handle not kept, and every kept one the
+        # region itself modified after saving it.
+        for slot in self.kept:
+            if slot.changed:
+                graph.add_slot(slot)
+        self.kept = []
+        wanted = [(s.meta.group, s.meta.state) for s in graph.slots()]
+        p = plan(graph, wanted)
+        for g in graph.groups:
+            kind = p.starts.get(g.id, (None,))[0]
+            if kind != "external":
+                g.external = None
+            if kind != "snapshot":
+                g.snapshot = None
+            if kind != "held":
+                g.held = None
+            if kind != "outer":
+                g.outer = None
+        needed = set(p.nodes)
+        for node in graph.nodes:
+            if node.rng is None:
+                continue
+            gen, state, follows = node.rng
+            if node.index not in needed:
+                node.rng = None  # a generator state nothing will replay
+            elif follows in needed:
+                node.rng = (gen, None, follows)  # replaying ``follows`` first restores it
+            else:
+                node.rng = (gen, state, None)
+
+
+def _describe(module_ref, arg_refs, t) -> str:
+    """A name a person can find: an argument, a parameter's or buffer's qualified name, else a shape."""
+    shape = f"of shape {list(t.shape)} ({t.dtype})"
+    cdata = t.untyped_storage()._cdata
+    for label, ref in arg_refs:
+        a = ref()
+        if a is not None and a.untyped_storage()._cdata == cdata:
+            return f"{label} {shape}"
+    module = module_ref() if module_ref is not None else None
+    if module is not None:
+        for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+            for n, p in items:
+                if p.untyped_storage()._cdata == cdata:
+                    return f"{kind} {n!r} {shape}"
+    return f"a tensor {shape}"
+
+
+class reporting:
+    """Collect every region created in this thread while active, in report mode."""
+
+    def __enter__(self) -> list:
+        self.previous = getattr(_local, "reporting", None)
+        _local.reporting = self.regions = []
+        return self.regions
+
+    def __exit__(self, *exc):
+        _local.reporting = self.previous
+        return False
+
+
+def current_region() -> Region | None:
+    stack = getattr(_local, "regions", None)
+    return stack[-1] if stack else None
+
+
+def run_region(fn, args, kwargs, policy, name, *, module=None, module_names=None, report=False):
+    """Call ``fn`` once inside a region (or plainly when no gradient is being recorded)."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    with Region(policy, name, module=module, module_names=module_names, report=report, args=args, kwargs=kwargs):
+        return fn(*args, **kwargs)
+
+
+# --- modules -----------------------------------------------------------------------------
+
+
+class _ModuleHooks:
+    """Forward pre/post hooks that run a module's forward (and the hooks after ours) in a region."""
+
+    def __init__(self, policy, name: str, qualified: bool):
+        self.policy = policy
+        self.name = name  # the module's qualified name in its model, or its class name
+        self.qualified = qualified
+        self.names = None  # id(submodule) -> qualified name, built on first call
+        self.handles = ()
+
+    def pre(self, module, args):
+        if not torch.is_grad_enabled():
+            return None
+        if self.names is None:
+            prefix = f"{self.name}." if self.qualified else ""
+            self.names = {id(m): (prefix + n) if n else self.name for n, m in module.named_modules()}
+        region = Region(self.policy, self.name, module=module, module_names=self.names, args=args)
+        region.owner = module
+        region.__enter__()
+        return None
+
+    def post(self, module, args, output):
+        region = current_region()
+        if region is None or getattr(region, "owner", None) is not module:
+            return None
+        exc = sys.exc_info()
+        region.__exit__(*exc)
+        return None
+
+    def __repr__(self) -> str:
+        return f"tracedac.checkpoint(policy={self.policy!r})"
+
+
+def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn.Module:
+    existing = getattr(module, "_tracedac", None)
+    if existing is not None:
+        raise CheckpointError(
+            f"{type(module).__name__} {existing.name!r} is already checkpointed by tracedac "
+            f"with {existing.policy!r}; checkpointing it again would nest a region in itself. "
+            "Wrap each module once (tracedac.wrap skips modules inside a matched one)."
+        )
+    hooks = _ModuleHooks(policy, name if name is not None else type(module).__name__, qualified=name is not None)
+    hooks.handles = (
+        module.register_forward_pre_hook(hooks.pre, prepend=True),
+        module.register_forward_hook(hooks.post, always_call=True),
+    )
+    module._tracedac = hooks
+    return module
+
+
+# --- public entry points -----------------------------------------------------------------
+
+
+def checkpoint(fn=None, /, *, policy=None):
+    """Checkpoint a function or module: its forward is recorded, and backward replays it.
+
+    Usable as ``@checkpoint``, ``@checkpoint(policy=...)``, ``checkpoint(fn, policy=...)``
+    (returns a wrapped callable) or ``checkpoint(module, policy=...)`` (returns the same
+    module, its forward checkpointed; parameters, buffers and state_dict keys unchanged).
+    ``policy`` defaults to ``policies.recompute_all()``.
+    """
+    if fn is None:
+        return functools.partial(checkpoint, policy=policy)
+    policy = recompute_all() if policy is None else policy
+    check_policy(policy)
+    if isinstance(fn, nn.Module):
+        return _checkpoint_module(fn, policy)
+    if not callable(fn):
+        raise TypeError(
+            f"checkpoint() takes a function or an nn.Module, got {fn!r} of type {type(fn).__name__}"
+        )
+    region_name = getattr(fn, "__qualname__", type(fn).__name__)
+
+    @functools.wraps(fn)
+    def checkpointed(*args, **kwargs):
+        return run_region(fn, args, kwargs, policy, region_name)
+
+    checkpointed._tracedac = _FunctionRegion(fn, policy, region_name)
+    return checkpointed
+
+
+class _FunctionRegion:
+    __slots__ = ("fn", "policy", "name")
+
+    def __init__(self, fn, policy, name):
+        self.fn = fn
+        self.policy = policy
+        self.name = name
+
+
+def checkpoint_call(function, *args, policy=None, use_reentrant=False, preserve_rng_state=True,
+                    determinism_check="default", debug=False, early_stop=True, context_fn=None, **kwargs):
+    """``torch.utils.checkpoint.checkpoint``'s calling convention, run by tracedac.
+
+    For libraries that take a checkpoint function (Hugging Face's
+    ``gradient_checkpointing_func``, torchtitan-style wrappers). ``preserve_rng_state``,
+    ``determinism_check``, ``debug`` and ``early_stop`` are accepted and have nothing to do:
+    random ops always replay the same numbers, and replay runs only what backward needs.
+    """
+    if use_reentrant:
+        raise CheckpointError(
+            "tracedac.checkpoint_call does not run reentrant checkpointing (use_reentrant=True): "
+            "it records the forward instead of re-running it. Pass use_reentrant=False; in "
+            "Hugging Face transformers: model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})."
+        )
+    if context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn":
+        raise CheckpointError(
+            "checkpoint_call got a context_fn (torch's selective checkpointing); tracedac does "
+            "not use context managers around recomputation. Express the same choice as "
+            "policy=tracedac.policies.save_ops(...) and drop context_fn."
+        )
+    policy = recompute_all() if policy is None else policy
+    check_policy(policy)
+    region_name = getattr(function, "__qualname__", type(function).__name__)
+    return run_region(function, args, kwargs, policy, region_name)
+
+
+def _matcher(match):
+    if isinstance(match, type):
+        if not issubclass(match, nn.Module):
+            raise TypeError(f"wrap(match=...) takes nn.Module classes, got {match!r}")
+        return lambda name, m: isinstance(m, match)
+    if isinstance(match, tuple):
+        if not match or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in match):
+            raise TypeError(f"wrap(match=...) takes a non-empty tuple of nn.Module classes, got {match!r}")
+        return lambda name, m: isinstance(m, match)
+    if callable(match):
+        return match
+    raise TypeError(
+        "wrap(match=...) takes an nn.Module class, a tuple of them, or a predicate "
+        f"(qualified_name, module) -> bool, got {match!r} of type {type(match).__name__}"
+    )
+
+
+def wrap(model: nn.Module, match, policy=None) -> nn.Module:
+    """Checkpoint every submodule of ``model`` that ``match`` selects; returns ``model``.
+
+    ``match`` is a class, a tuple of classes, or a predicate on ``(qualified_name, module)``.
+    Modules inside a matched module are not checkpointed again.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap() takes an nn.Module, got {type(model).__name__}")
+    policy = recompute_all() if policy is None else policy
+    check_policy(policy)
+    pred = _matcher(match)
+    matched = []
+
+    def visit(prefix: str, module: nn.Module):
+        if pred(prefix, module):
+            _checkpoint_module(module, policy, prefix or None)
+            matched.append(prefix)
+            return
+        for child_name, child in module.named_children():
+            visit(f"{prefix}.{child_name}" if prefix else child_name, child)
+
+    visit("", model)
+    if not matched:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"wrap() matched no module of {type(model).__name__}: nothing would be "
+            f"checkpointed. Module classes present: {', '.join(classes)}."
+        )
+    return model
+
+
+def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
+    """Label ``tensor`` for policies (``save_names``) and reports; returns ``tensor``.
+
+    Inside a region it labels the op that produced the tensor's current value; outside any
+    region it does nothing.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"name() labels a tensor, got {type(tensor).__name__}")
+    if not isinstance(label, str) or not label:
+        raise TypeError(f"name() takes a non-empty string label, got {label!r}")
+    for region in getattr(_local, "regions", ()):
+        if region.tracer is None:
+            continue
+        g = region.tracer.group_of(tensor)
+        if g is None or g.node is None:
+            continue
+        node = g.node
+        node.labels = node.labels | {label}
+        if region.decide(node) and g.held is None:
+            with torch._C._DisableTorchDispatch():
+                region.hold(g, tensor.detach())
+    return tensor

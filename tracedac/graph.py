@@ -1,0 +1,260 @@
+"""The region graph: what a checkpointed forward did, recorded op by op.
+
+Values are tracked at the level of storages, because that is where aliasing and mutation
+live. Every tensor a recorded op reads or returns belongs to a *group* (one storage). A
+group is born either outside the region (an *external*: an input, a parameter, a buffer) or
+from the node that allocated it (its *creator*). Nodes that write into a group's storage
+(``add_``, ``index_put_``, ``copy_`` into a slice) are its *mutations*, and the group's
+*state* is how many of them have run. A tensor is then fully described by its group, the
+state it was read in, and its geometry (dtype, size, stride, storage offset): views cost
+nothing to rebuild, and replaying a group's creator and then its mutations, in recorded
+order, reproduces any state exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["Group", "Node", "RegionGraph", "TensorMeta", "flatten_outputs", "human_bytes", "op_flops"]
+
+
+class TensorMeta:
+    """One tensor as a recorded op saw it: its storage group, that group's state, and layout."""
+
+    __slots__ = ("group", "state", "dtype", "size", "stride", "offset")
+
+    def __init__(self, group: int, state: int, dtype, size: tuple, stride: tuple, offset: int):
+        self.group = group
+        self.state = state
+        self.dtype = dtype
+        self.size = size
+        self.stride = stride
+        self.offset = offset
+
+    @property
+    def layout(self) -> tuple:
+        return self.dtype, self.size, self.stride, self.offset
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.size)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"TensorMeta(group={self.group}, state={self.state}, {self.dtype}, {list(self.size)})"
+
+
+_NO_LABELS: frozenset = frozenset()  # shared: an empty frozenset is a new object each time
+
+
+class Node:
+    """One recorded aten (or custom) op. Also the view a policy receives.
+
+    A policy may read ``op``, ``name``, ``outputs`` (their ``shape``, ``dtype``, ``nbytes``),
+    ``nbytes``, ``labels``, ``module_path``, ``flops`` and ``is_random``; after the
+    decision, ``decision`` (also as ``meta["recompute"]``, where torch's nodes carry it).
+    """
+
+    __slots__ = (
+        "index", "op", "args", "kwargs", "outputs", "writes", "creates", "rng",
+        "labels", "module_path", "source", "decision", "_flops", "_reads",
+    )
+
+    def __init__(self, index, op, args, kwargs, outputs, writes, creates, rng, module_path, source):
+        self.index = index
+        self.op = op
+        self.args = args  # tensors replaced by TensorMeta (lists of tensors by lists of them)
+        self.kwargs = kwargs
+        self.outputs = outputs  # one TensorMeta (or None for a non-tensor) per flattened output
+        self.writes = writes  # group ids whose storage this op writes
+        self.creates = creates  # output indices whose storage this op allocated
+        # random ops: (generator, its state before the op or None, the random node whose
+        # replay leaves the generator in that state, or None)
+        self.rng = rng
+        self.labels: frozenset[str] = _NO_LABELS
+        self.module_path = module_path
+        self.source = source
+        self.decision = None  # the CheckpointPolicy decided for this node
+        self._flops = None
+        self._reads = None
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """``{"recompute": decision}``: the decision where torch's graph nodes carry it."""
+        return {"recompute": self.decision}
+
+    @property
+    def name(self) -> str:
+        return str(self.op)
+
+    @property
+    def is_random(self) -> bool:
+        return self.rng is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors this node allocated (what keeping its result costs)."""
+        return sum(self.outputs[i].nbytes for i in self.creates)
+
+    @property
+    def tensor_args(self) -> tuple:
+        """The TensorMeta of every tensor argument, lists included, in order."""
+        metas = []
+        for a in (*self.args, *self.kwargs.values()):
+            if isinstance(a, TensorMeta):
+                metas.append(a)
+            elif isinstance(a, (list, tuple)):
+                metas.extend(x for x in a if isinstance(x, TensorMeta))
+        return tuple(metas)
+
+    @property
+    def reads(self) -> tuple:
+        """(group, state) of every tensor argument: what replaying this node needs first."""
+        if self._reads is None:
+            self._reads = tuple([(m.group, m.state) for m in self.tensor_args])
+        return self._reads
+
+    @property
+    def flops(self) -> int:
+        """FLOPs by torch's own formulas (``torch.utils.flop_counter``); 0 for ops it does not cost."""
+        if self._flops is None:
+            self._flops = op_flops(self.op, self.args, self.kwargs, self.outputs)
+        return self._flops
+
+    def __repr__(self) -> str:
+        return f"Node({self.index}, {self.name})"
+
+
+class Group:
+    """One storage seen in the region, and everything needed to rebuild any state of it."""
+
+    __slots__ = ("id", "nbytes", "device", "creator", "mutations", "external", "snapshot", "outer",
+                 "held", "version")
+
+    def __init__(self, id: int, nbytes: int, device: torch.device):
+        self.id = id
+        self.nbytes = nbytes
+        self.device = device
+        self.creator: Node | None = None  # None: the storage came from outside the region
+        self.mutations: list[Node] | tuple = ()  # the nodes that wrote it, in order (a list once written)
+        self.external: torch.Tensor | None = None  # an outside tensor on this storage, while needed
+        self.snapshot = None  # an external's storage copied before the region first wrote it
+        self.outer = None  # for a region nested in another: the enclosing region's handle on it
+        self.held: torch.Tensor | None = None  # a tensor on this storage kept by the policy
+        # the version counter of ``held`` or ``external`` (one counter: a held alias of an
+        # outside tensor shares it) when the region ended
+        self.version = -1
+
+    def add_mutation(self, node: Node) -> None:
+        if self.mutations:
+            self.mutations.append(node)
+        else:
+            self.mutations = [node]
+
+    @property
+    def state(self) -> int:
+        """The state the storage is in now: how many recorded writes it has had."""
+        return len(self.mutations)
+
+    @property
+    def node(self) -> Node | None:
+        """The node that produced the current state (the last write, else the creator)."""
+        return self.mutations[-1] if self.mutations else self.creator
+
+    def __repr__(self) -> str:
+        origin = "external" if self.creator is None else self.creator.name
+        return f"Group({self.id}, {origin}, {len(self.mutations)} writes, {self.nbytes} B)"
+
+
+class RegionGraph:
+    """Everything one call of a checkpointed region recorded, shared by the handles autograd saved."""
+
+    def __init__(self, name: str, policy):
+        self.name = name
+        self.policy = policy
+        self.nodes: list[Node] = []
+        self.groups: list[Group] = []
+        self._slots: list = []  # weak references to the handles autograd holds
+        self.lock = threading.Lock()
+        self.passes = 0  # replay passes run, for tests and reports
+        self.replayed_ops = 0
+        self.namer = _shape_name  # outside tensor -> a name for error messages
+
+    def add_slot(self, slot) -> None:
+        self._slots.append(weakref.ref(slot))
+
+    def slots(self) -> list:
+        """The handles autograd still holds (dropping the references to released ones)."""
+        alive = [s for s in (r() for r in self._slots) if s is not None]
+        if len(alive) < len(self._slots):
+            self._slots = [weakref.ref(s) for s in alive]
+        return alive
+
+    def new_group(self, nbytes: int, device: torch.device) -> Group:
+        g = Group(len(self.groups), nbytes, device)
+        self.groups.append(g)
+        return g
+
+    def __repr__(self) -> str:
+        return f"RegionGraph({self.name!r}, {len(self.nodes)} nodes, {len(self.groups)} storages)"
+
+
+def _shape_name(t) -> str:
+    return f"a tensor of shape {list(t.shape)} ({t.dtype})"
+
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def op_flops(op, args, kwargs, outputs) -> int:
+    """FLOPs of one recorded op from its shapes, by ``torch.utils.flop_counter``'s formulas."""
+    from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+    packet = getattr(op, "overloadpacket", None)
+    if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        # torch has no formula for the CPU kernel; it does the same work as the others.
+        q, k, v = (a.shape for a in args[:3])
+        return sdpa_flop_count(q, k, v)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+
+    def shape(x):
+        if isinstance(x, TensorMeta):
+            return x.shape
+        if isinstance(x, (list, tuple)):
+            return type(x)(shape(y) for y in x)
+        return x
+
+    out = [o.shape if o is not None else None for o in outputs]
+    kw = {k: shape(v) for k, v in kwargs.items()}
+    return int(formula(*shape(args), out_val=out[0] if len(out) == 1 else tuple(out), **kw))
+
+
+def flatten_outputs(out) -> tuple:
+    """An op's result as a flat tuple: a tensor, a tuple of them, or tuples holding lists."""
+    flat = out if isinstance(out, (tuple, list)) else (out,)
+    if any(isinstance(o, (tuple, list)) for o in flat):
+        flat = [y for o in flat for y in (o if isinstance(o, (tuple, list)) else (o,))]
+    return tuple(flat)

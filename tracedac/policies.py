@@ -1,0 +1,227 @@
+"""Policies: which recorded results a region keeps for backward and which it replays.
+
+A policy is any callable ``policy(node) -> CheckpointPolicy`` (torch's own enum, so a
+decision reads the same as in ``torch.utils.checkpoint``). The ones here are frozen,
+hashable dataclasses, so they compare by value, print as the call that made them, and can
+key a cache. A node is a ``tracedac.graph.Node``: ``op``, ``outputs`` (shape, dtype,
+nbytes), ``nbytes``, ``labels``, ``module_path``, ``flops``, ``is_random``.
+
+Decisions are made once per node when the region records it, never per tensor later. Only
+nodes that allocate or write a storage are asked: views cost nothing to rebuild.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .errors import CheckpointError
+
+__all__ = [
+    "CheckpointPolicy",
+    "MATMUL_OPS",
+    "either",
+    "recompute_all",
+    "save_all",
+    "save_matmuls",
+    "save_names",
+    "save_ops",
+]
+
+aten = torch.ops.aten
+
+MUST_SAVE = CheckpointPolicy.MUST_SAVE
+PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
+MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
+PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+# The ops `save_matmuls()` keeps, each with why it is worth its bytes.
+MATMUL_OPS: dict[OpOverloadPacket, str] = {
+    aten.mm: "a matmul replays O(n^3) FLOPs to rebuild O(n^2) bytes",
+    aten.addmm: "nn.Linear with a bias lowers to addmm: a matmul",
+    aten.bmm: "batched matmul (attention scores, MoE experts): a matmul per batch entry",
+    aten.baddbmm: "batched matmul with an added input: as bmm",
+    aten._scaled_dot_product_flash_attention: "attention (CUDA flash): quadratic in sequence length to replay",
+    aten._scaled_dot_product_efficient_attention: "attention (memory-efficient kernel): as flash",
+    aten._scaled_dot_product_cudnn_attention: "attention (cuDNN kernel): as flash",
+    aten._scaled_dot_product_flash_attention_for_cpu: "attention (CPU flash kernel): as flash",
+}
+
+
+def _packet(op):
+    return getattr(op, "overloadpacket", op)
+
+
+@dataclass(frozen=True)
+class RecomputeAll:
+    """Keep nothing the region computed; replay every tensor backward needs."""
+
+    constant = PREFER_RECOMPUTE  # the same for every node: a region need not ask
+
+    def __call__(self, node) -> CheckpointPolicy:
+        return PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        return "recompute_all()"
+
+
+@dataclass(frozen=True)
+class SaveAll:
+    """Keep what autograd saves, as without checkpointing (Python still runs once)."""
+
+    constant = PREFER_SAVE
+
+    def __call__(self, node) -> CheckpointPolicy:
+        return PREFER_SAVE
+
+    def __repr__(self) -> str:
+        return "save_all()"
+
+
+@dataclass(frozen=True)
+class SaveOps:
+    """Keep the results of these ops (an overload, or every overload of a packet)."""
+
+    ops: frozenset
+
+    def __call__(self, node) -> CheckpointPolicy:
+        op = node.op
+        if op in self.ops or _packet(op) in self.ops:
+            return MUST_SAVE
+        return PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        if self.ops == frozenset(MATMUL_OPS):
+            return "save_matmuls()"
+        return f"save_ops({', '.join(sorted(str(o) for o in self.ops))})"
+
+
+@dataclass(frozen=True)
+class SaveNames:
+    """Keep the results labelled with ``tracedac.name(tensor, label)`` for one of these labels."""
+
+    names: frozenset
+
+    def __call__(self, node) -> CheckpointPolicy:
+        return MUST_SAVE if node.labels & self.names else PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        return f"save_names({', '.join(repr(n) for n in sorted(self.names))})"
+
+
+@dataclass(frozen=True)
+class Either:
+    """Keep what any of the policies keeps; a MUST from one overrides a PREFER from another."""
+
+    policies: tuple
+
+    def __call__(self, node) -> CheckpointPolicy:
+        decisions = [decision(p, node) for p in self.policies]
+        musts = {d for d in decisions if d in (MUST_SAVE, MUST_RECOMPUTE)}
+        if len(musts) == 2:
+            said = ", ".join(f"{p!r} -> {d.name}" for p, d in zip(self.policies, decisions))
+            raise CheckpointError(
+                f"policies disagree on {node.name} (node {node.index}): {said}. One must keep "
+                "it and another must replay it, and there is no way to do both; drop one of "
+                "the MUST decisions or make it a PREFER."
+            )
+        if musts:
+            return musts.pop()
+        return PREFER_SAVE if PREFER_SAVE in decisions else PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        return f"either({', '.join(repr(p) for p in self.policies)})"
+
+
+def recompute_all() -> RecomputeAll:
+    """The default: keep nothing computed in the region; replay what backward needs."""
+    return RecomputeAll()
+
+
+def save_all() -> SaveAll:
+    """Keep everything autograd saves, as without checkpointing."""
+    return SaveAll()
+
+
+def save_ops(*ops) -> SaveOps:
+    """Keep the results of these ops, e.g. ``save_ops(torch.ops.aten.mm, torch.ops.aten.bmm.default)``."""
+    if not ops:
+        raise ValueError("save_ops() needs at least one op, e.g. save_ops(torch.ops.aten.mm)")
+    for op in ops:
+        if not isinstance(op, (OpOverload, OpOverloadPacket)):
+            hint = ""
+            if isinstance(op, str):
+                hint = f" For {op!r}, pass torch.ops.aten.{op} (every overload) or torch.ops.aten.{op}.default."
+            elif callable(op):
+                name = getattr(op, "__name__", repr(op))
+                hint = f" {name} is a Python function; pass the aten op it runs, e.g. torch.ops.aten.{name}."
+            raise TypeError(
+                f"save_ops() takes aten ops (torch.ops.aten.mm or torch.ops.aten.mm.default), "
+                f"got {op!r} of type {type(op).__name__}.{hint}"
+            )
+    return SaveOps(frozenset(ops))
+
+
+def save_matmuls() -> SaveOps:
+    """Keep matmul and attention results (``MATMUL_OPS``); replay the cheap ops around them."""
+    return SaveOps(frozenset(MATMUL_OPS))
+
+
+def save_names(*labels: str) -> SaveNames:
+    """Keep the results labelled by ``tracedac.name(tensor, label)`` with one of these labels."""
+    if not labels:
+        raise ValueError("save_names() needs at least one label, e.g. save_names('attn_out')")
+    for label in labels:
+        if not isinstance(label, str) or not label:
+            raise TypeError(f"save_names() takes non-empty strings, got {label!r}")
+    return SaveNames(frozenset(labels))
+
+
+def either(*policies) -> Either:
+    """Keep what any of ``policies`` keeps, e.g. ``either(save_matmuls(), save_names('x'))``."""
+    if not policies:
+        raise ValueError("either() needs at least one policy")
+    flat = []
+    for p in policies:
+        check_policy(p)
+        flat.extend(p.policies if isinstance(p, Either) else (p,))
+    return Either(tuple(flat))
+
+
+def check_policy(policy) -> None:
+    if not callable(policy):
+        raise TypeError(
+            f"a policy is a callable taking a recorded node and returning a "
+            f"torch.utils.checkpoint.CheckpointPolicy (e.g. tracedac.policies.save_matmuls()), "
+            f"got {policy!r} of type {type(policy).__name__}"
+        )
+
+
+def describe_policy(policy) -> str:
+    """How a person wrote the policy: ``save_matmuls()``, or a function's name."""
+    if isinstance(policy, (RecomputeAll, SaveAll, SaveOps, SaveNames, Either)):
+        return repr(policy)
+    return getattr(policy, "__qualname__", None) or repr(policy)
+
+
+def decision(policy, node) -> CheckpointPolicy:
+    """``policy(node)``, checked: a CheckpointPolicy tracedac can carry out."""
+    d = policy(node)
+    if not isinstance(d, CheckpointPolicy):
+        raise CheckpointError(
+            f"policy {policy!r} returned {d!r} for {node.name}; a policy must return a "
+            "torch.utils.checkpoint.CheckpointPolicy such as CheckpointPolicy.MUST_SAVE."
+        )
+    if d in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD):
+        raise CheckpointError(
+            f"policy {policy!r} asked to offload {node.name} to CPU; tracedac keeps or replays "
+            "and does not offload. Return a SAVE or RECOMPUTE decision instead."
+        )
+    return d
+
+
+def is_save(d: CheckpointPolicy) -> bool:
+    return d is MUST_SAVE or d is PREFER_SAVE

@@ -1,0 +1,361 @@
+"""Rebuilding what backward needs from a region graph.
+
+Autograd stores a *handle* for each tensor it saves in a region. When backward first asks
+for one that was not kept, a *pass* rebuilds every handle of the graph still waiting:
+
+1. **Plan.** Walk back from the wanted (storage group, state) pairs. A group starts from a
+   live tensor when all that is wanted of it is its final state and that tensor has not
+   changed since the region ended (something the policy kept, an outside input, an
+   enclosing region's handle); an outside tensor the region wrote starts from the copy
+   taken before the write; anything else starts by replaying its creator. Then come the
+   group's writes up to the latest state wanted. Each replayed node wants its own inputs in
+   the states it read them in.
+2. **Run.** The planned nodes run in recorded order under ``no_grad`` (random ops with
+   their recorded generator state), each on views built from its inputs' geometry. Writes
+   never land on a tensor someone else holds: a borrowed storage is copied first. A
+   handle's value is captured the moment its group reaches the state it was saved in, and
+   a storage is dropped as soon as no later planned node reads it.
+
+Replay never runs Python from the region and never writes a tensor the program can see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import CheckpointError
+from .graph import Group, RegionGraph, TensorMeta, flatten_outputs, human_bytes
+
+__all__ = ["Slot", "plan", "run_pass"]
+
+_Tensor = torch.Tensor
+
+
+def _double_backward_error():
+    return CheckpointError(
+        "backward with create_graph=True (a gradient of a gradient) reached a tensor saved in "
+        "a tracedac region; tracedac rebuilds saved tensors without autograd history, so "
+        "the second-order gradient would be wrong. Run that part without tracedac.checkpoint."
+    )
+
+
+class Slot:
+    """A handle on one saved tensor: its group, the state it was saved in, its geometry.
+
+    ``tensor`` is set when the tensor itself is kept: an input as autograd gave it
+    (``exact``), or a result the policy kept (detached, to break the reference cycle
+    through its grad_fn). It is returned while its version is unchanged; otherwise, and
+    when nothing was kept, the value is rebuilt from the graph.
+    """
+
+    __slots__ = ("graph", "meta", "tensor", "version", "exact", "value", "__weakref__")
+
+    def __init__(self, graph: RegionGraph, meta: TensorMeta, tensor=None, exact=False):
+        self.graph = graph
+        self.meta = meta
+        self.tensor = tensor
+        self.version = tensor._version if tensor is not None else -1
+        self.exact = exact
+        self.value = None
+        if tensor is None:
+            graph.add_slot(self)  # kept handles join a pass only when they change
+
+    @property
+    def changed(self) -> bool:
+        """Kept, but modified in place since it was saved."""
+        return self.tensor is not None and self.tensor._version != self.version
+
+    @property
+    def wanted(self) -> bool:
+        return self.value is None and (self.tensor is None or self.changed)
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t is not None and t._version == self.version:
+            if not self.exact and torch.is_grad_enabled():
+                raise _double_backward_error()
+            return t
+        if torch.is_grad_enabled():
+            raise _double_backward_error()
+        graph = self.graph
+        with graph.lock:
+            if self.value is None:
+                run_pass(graph, self)
+            value, self.value = self.value, None
+        return value
+
+
+# --- planning ----------------------------------------------------------------------------
+
+
+def _live(g: Group):
+    """The source of a group's final state that is still valid, or None."""
+    if g.held is not None and g.held._version == g.version:
+        return "held"
+    if g.external is not None and g.external._version == g.version:
+        return "external"
+    if g.outer is not None:
+        return "outer"
+    return None
+
+
+def _unavailable(graph: RegionGraph, g: Group) -> CheckpointError:
+    if g.external is not None:
+        return CheckpointError(
+            f"{graph.namer(g.external)}, which region {graph.name!r} read, was modified in place "
+            f"after the forward (version {g.external._version}, read at {g.version}), and "
+            "backward needs the value the forward saw to replay the ops that read it. Apply "
+            "the update after backward, or keep what the region computed from it with a policy "
+            "(tracedac.name(...) on the result and policies.save_names(...))."
+        )
+    return CheckpointError(
+        f"a storage of {human_bytes(g.nbytes)} that region {graph.name!r} read is needed to "
+        "replay its ops but was not kept; this is a tracedac bug, please report it with the "
+        "region's code."
+    )
+
+
+def _changed_error(graph: RegionGraph, slot) -> CheckpointError:
+    t = slot.tensor
+    versions = f"(version {t._version}, saved at {slot.version})"
+    if slot.exact:
+        return CheckpointError(
+            f"{graph.namer(t)}, which region {graph.name!r} read and autograd saved, was "
+            f"modified in place after the forward {versions}; its gradient would be computed "
+            "from the new value. Modify a copy, or make the change after backward."
+        )
+    node = graph.groups[slot.meta.group].node
+    return CheckpointError(
+        f"the result of {node.name} (node {node.index} of region {graph.name!r}), kept for "
+        f"backward, was modified in place after the forward {versions}, and what it was "
+        "computed from was not kept, so it cannot be rebuilt. Modify a copy instead, or use a "
+        "policy that does not keep it."
+    )
+
+
+class Plan:
+    __slots__ = ("starts", "nodes", "needs")
+
+    def __init__(self, starts, nodes, needs):
+        self.starts = starts  # group id -> (source kind, state it starts in)
+        self.nodes = nodes  # node indices to run, in recorded order
+        self.needs = needs  # group id -> states wanted
+
+
+def plan(graph: RegionGraph, wanted) -> Plan:
+    """What to run to produce every (group id, state) in ``wanted``."""
+    groups, nodes = graph.groups, graph.nodes
+    needs: dict[int, set] = {}
+    starts: dict[int, tuple] = {}
+    chosen: set[int] = set()
+    work = list(wanted)  # (group id, state) still to provide
+    to_run: list = []  # nodes chosen whose inputs are still to be asked for
+
+    while work or to_run:
+        while to_run:
+            node = to_run.pop()
+            if node.index in chosen:
+                continue
+            chosen.add(node.index)
+            work.extend(node.reads)
+            if node.rng is not None and node.rng[1] is None:
+                to_run.append(nodes[node.rng[2]])  # its replay leaves the generator where this one starts
+        if not work:
+            break
+        gid, state = work.pop()
+        states = needs.get(gid)
+        if states is None:
+            states = needs[gid] = {state}
+            lowest = highest = state
+        elif state in states:
+            continue
+        else:
+            states.add(state)
+            lowest, highest = min(states), max(states)
+        g = groups[gid]
+        kind = _live(g) if lowest == len(g.mutations) else None
+        if kind is not None:
+            start = (kind, lowest)
+        elif g.creator is None and g.snapshot is not None:
+            start = ("snapshot", 0)
+        elif g.creator is None:
+            raise _unavailable(graph, g)
+        else:
+            start = ("create", 0)
+        if starts.get(gid) != start:
+            starts[gid] = start
+            if start[0] == "create":
+                to_run.append(g.creator)
+        if highest > start[1]:
+            to_run.extend(g.mutations[start[1]:highest])
+    return Plan(starts, sorted(chosen), needs)
+
+
+# --- running -----------------------------------------------------------------------------
+
+
+def _source_storage(g: Group, kind: str):
+    if kind == "held":
+        return g.held.untyped_storage()
+    if kind == "external":
+        return g.external.untyped_storage()
+    if kind == "snapshot":
+        return g.snapshot
+    if kind == "outer":
+        return g.outer.unpack().untyped_storage()
+    raise AssertionError(kind)
+
+
+class _Env:
+    """Storages of the groups a pass has built, and the state each is in."""
+
+    def __init__(self, groups):
+        self.groups = groups
+        self.storage: dict[int, object] = {}
+        self.state: dict[int, int] = {}
+        self.borrowed: set[int] = set()
+        self.views: dict[int, dict] = {}  # group -> layout -> a tensor with it on the storage
+
+    def view(self, m: TensorMeta) -> torch.Tensor:
+        gid = m.group
+        if self.state[gid] != m.state:
+            raise CheckpointError(
+                f"internal error: replay wanted storage {gid} in state {m.state} but it is "
+                f"in state {self.state[gid]}; please report this with the region's code"
+            )
+        views = self.views.get(gid)
+        if views is None:
+            views = self.views[gid] = {}
+        key = (m.dtype, m.size, m.stride, m.offset)
+        t = views.get(key)
+        if t is None:
+            t = torch.empty(0, dtype=m.dtype, device=self.groups[gid].device)
+            t.set_(self.storage[gid], m.offset, m.size, m.stride)
+            views[key] = t
+        return t
+
+    def put(self, gid: int, storage, state: int, borrowed: bool):
+        self.storage[gid] = storage
+        self.state[gid] = state
+        if borrowed:
+            self.borrowed.add(gid)
+        else:
+            self.borrowed.discard(gid)
+        self._forget_views(gid)
+
+    def own(self, gid: int):
+        """Copy a storage someone else holds before writing it."""
+        if gid in self.borrowed:
+            self.put(gid, self.storage[gid].clone(), self.state[gid], borrowed=False)
+
+    def drop(self, gid: int):
+        self.storage.pop(gid, None)
+        self._forget_views(gid)
+
+    def _forget_views(self, gid: int):
+        self.views.pop(gid, None)
+
+
+def _arg(env: _Env, a):
+    if isinstance(a, TensorMeta):
+        return env.view(a)
+    if isinstance(a, (list, tuple)):
+        return type(a)(env.view(x) if isinstance(x, TensorMeta) else x for x in a)
+    return a
+
+
+def run_pass(graph: RegionGraph, caller: Slot) -> None:
+    """Rebuild ``caller``'s value and that of every handle of ``graph`` backward still waits for."""
+    slots = [s for s in graph.slots() if s.wanted and s is not caller]
+    slots.append(caller)
+    try:
+        p = plan(graph, [(s.meta.group, s.meta.state) for s in slots])
+    except CheckpointError:
+        changed = [s for s in slots if s.changed]
+        if not changed:
+            raise
+        raise _changed_error(graph, changed[0]) from None
+    graph.passes += 1
+    graph.replayed_ops += len(p.nodes)
+
+    captures: dict[int, list] = {}
+    for s in slots:
+        captures.setdefault(s.meta.group, []).append(s)
+    last_use: dict[int, int] = {}
+    reads = {i: graph.nodes[i].tensor_args for i in p.nodes}
+    for i in p.nodes:
+        for m in reads[i]:
+            last_use[m.group] = i
+
+    env = _Env(graph.groups)
+
+    def capture(gid):
+        waiting = captures.get(gid)
+        if not waiting:
+            return
+        state = env.state[gid]
+        keep = [s for s in waiting if s.meta.state != state]
+        for s in waiting:
+            if s.meta.state == state:
+                s.value = env.view(s.meta)
+                env.borrowed.add(gid)  # a later write must not change what was handed out
+        captures[gid] = keep
+
+    generators = {}
+    try:
+        with torch.no_grad(), torch._C._DisableAutocast():
+            for gid, (kind, state) in p.starts.items():
+                if kind != "create":
+                    env.put(gid, _source_storage(graph.groups[gid], kind), state, borrowed=True)
+                    capture(gid)
+            for i in p.nodes:
+                node = graph.nodes[i]
+                for gid in node.writes:
+                    env.own(gid)
+                args = [_arg(env, a) for a in node.args]
+                kwargs = {k: _arg(env, v) for k, v in node.kwargs.items()}
+                if node.rng is not None:
+                    gen, state, _ = node.rng
+                    if gen not in generators:
+                        generators[gen] = gen.get_state()
+                    if state is not None:
+                        gen.set_state(state)
+                out = node.op(*args, **kwargs)
+                flat = (out,) if isinstance(out, _Tensor) else flatten_outputs(out)
+                for k in node.creates:
+                    o, m = flat[k], node.outputs[k]
+                    if p.starts.get(m.group, ("",))[0] != "create":
+                        continue  # an output nobody wants, or one a live tensor provides
+                    if o.size() != m.size or o.stride() != m.stride or o.storage_offset() != m.offset:
+                        raise CheckpointError(
+                            f"replaying {node.name} gave a tensor laid out as size "
+                            f"{list(o.size())} stride {list(o.stride())}, but the forward's was "
+                            f"size {list(m.size)} stride {list(m.stride)}; the op is not "
+                            "deterministic in layout, so tracedac cannot replay it. Keep its "
+                            "result with a policy (save_ops) instead."
+                        )
+                    env.put(m.group, o.untyped_storage(), 0, borrowed=False)
+                    env.views[m.group] = {(m.dtype, m.size, m.stride, m.offset): o}
+                for gid in node.writes:
+                    env.state[gid] += 1
+                created = [node.outputs[k].group for k in node.creates if node.outputs[k].group in env.storage]
+                for gid in created:
+                    capture(gid)
+                for gid in node.writes:
+                    capture(gid)
+                for m in reads[i]:
+                    if last_use.get(m.group) == i and not captures.get(m.group):
+                        env.drop(m.group)
+                for gid in created:
+                    if last_use.get(gid, -1) <= i and not captures.get(gid):
+                        env.drop(gid)
+    finally:
+        for gen, state in generators.items():
+            gen.set_state(state)
+    missing = [s for s in slots if s.value is None]
+    if missing:
+        m = missing[0].meta
+        raise CheckpointError(
+            f"internal error: replay did not rebuild storage {m.group} in state {m.state} "
+            f"for region {graph.name!r}; please report this with the region's code"
+        )

@@ -1,0 +1,384 @@
+"""Recording a region: a TorchDispatchMode that appends one node per aten op.
+
+Every op runs eagerly exactly as it would without tracedac; the mode only writes down what
+it did (see ``graph.py`` for the model). It is pushed when a checkpointed region starts and
+popped when it ends, so code outside regions runs with no mode and no cost.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import CheckpointError
+from .graph import Group, Node, RegionGraph, TensorMeta, flatten_outputs
+
+__all__ = ["TracerMode", "current_module_path"]
+
+_Tensor = torch.Tensor
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
+class _OpInfo:
+    __slots__ = ("writes", "rebinds", "seeded")
+
+    def __init__(self, writes, rebinds, seeded):
+        self.writes = writes  # ((position, name), ...) of arguments whose data the op writes
+        self.rebinds = rebinds  # arguments whose geometry it rewrites in place
+        self.seeded = seeded  # draws from a random generator
+
+
+_INFO: dict = {}
+_NO_KWARGS: dict = {}  # shared by every node without keyword arguments: never written
+_SMALL_TUPLES: dict = {}
+
+
+def _interned(t: tuple) -> tuple:
+    """One object for each small tuple of indices (nearly every node's ``creates`` is (0,))."""
+    return _SMALL_TUPLES.setdefault(t, t) if len(t) < 4 else t
+
+
+def op_info(func) -> _OpInfo:
+    tags = getattr(func, "tags", ())
+    written = tuple(
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+    # An "inplace view" (t_, unsqueeze_, set_, resize_) rewrites a tensor's geometry, not its
+    # data. Geometry is read off the tensor at every use, so that is an ordinary view to us,
+    # as long as the tensor stays on its storage (set_ and a growing resize_ do not).
+    seeded = torch.Tag.nondeterministic_seeded in tags
+    info = _OpInfo((), written, seeded) if torch.Tag.inplace_view in tags else _OpInfo(written, (), seeded)
+    _INFO[func] = info
+    return info
+
+
+def _generator(args, kwargs):
+    gen = kwargs.get("generator")
+    if gen is not None:
+        return gen
+    device = kwargs.get("device")
+    if device is None:
+        device = next((a.device for a in args if isinstance(a, _Tensor)), torch.device("cpu"))
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    raise CheckpointError(
+        f"a random op ran on device {device} inside a checkpointed region; tracedac records "
+        "the generator state of CPU and CUDA generators only, so it could not replay the same "
+        "numbers. Pass an explicit generator= to the op, or move it outside the region."
+    )
+
+
+# --- where in the model an op ran --------------------------------------------------------
+
+_local = threading.local()
+_hooks_lock = threading.Lock()
+_hook_users = 0
+_hook_handles: tuple = ()
+
+
+def _module_stack() -> list:
+    stack = getattr(_local, "modules", None)
+    if stack is None:
+        stack = _local.modules = []
+    return stack
+
+
+def _push_module(module, args):
+    _module_stack().append(module)
+
+
+def _pop_module(module, args, output):
+    stack = _module_stack()
+    if stack and stack[-1] is module:
+        stack.pop()
+
+
+def track_modules(on: bool) -> None:
+    """Count regions that want module paths; global module hooks exist only while any does."""
+    global _hook_users, _hook_handles
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    with _hooks_lock:
+        _hook_users += 1 if on else -1
+        if on and _hook_users == 1:
+            _hook_handles = (
+                register_module_forward_pre_hook(_push_module),
+                register_module_forward_hook(_pop_module, always_call=True),
+            )
+        elif not on and _hook_users == 0:
+            for h in _hook_handles:
+                h.remove()
+            _hook_handles = ()
+
+
+def current_module_path(names: dict) -> str | None:
+    """Qualified name of the innermost module running now, from a region's name table."""
+    stack = _local.__dict__.get("modules")
+    if not stack:
+        return None
+    m = stack[-1]
+    name = names.get(id(m))
+    return name if name is not None else type(m).__name__
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)  # tracedac's own modules (not its subpackages' models)
+
+
+def user_source() -> str | None:
+    """``file:line`` of the innermost frame outside torch and tracedac (report mode only)."""
+    f = sys._getframe(2)
+    while f is not None:
+        filename = f.f_code.co_filename
+        if not (filename.startswith(_TORCH_DIR) or os.path.dirname(filename) == _OWN_DIR or "contextlib" in filename):
+            return f"{filename}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+def _check_replayable(t: torch.Tensor) -> None:
+    if type(t) not in _PLAIN_TYPES and type(t).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl:
+        raise CheckpointError(
+            f"a {type(t).__name__} (a tensor subclass) reached an op inside a checkpointed "
+            "region; tracedac records plain tensors only and could not replay it. Checkpoint "
+            "a region that does not take it, or unwrap it before the region."
+        )
+    if t.layout is not torch.strided or (t.is_complex() and (t.is_conj() or t.is_neg())):
+        raise CheckpointError(
+            f"a tensor with layout {t.layout} (or a lazy conjugate/negative bit) reached an op "
+            "inside a checkpointed region; tracedac replays strided tensors only. Call "
+            ".to_dense() / .resolve_conj() before the region, or keep the op outside it."
+        )
+
+
+# --- the mode ------------------------------------------------------------------------------
+
+
+class TracerMode(TorchDispatchMode):
+    """Records every aten op of one region call into ``graph``.
+
+    ``region`` supplies the policy decision for a node (``region.decide(node)``), a module
+    name table, and whether to record source lines (reports only: it walks the stack).
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps every __torch_dispatch__ in a dynamo-disable frame by default; the first
+        # call imports torch._dynamo (seconds, tens of MiB) and each call pays for the frame.
+        # The region never compiles inside the mode, so opt out.
+        return False
+
+    def __init__(self, graph: RegionGraph, region):
+        super().__init__()
+        self.graph = graph
+        self.region = region
+        # storage (its StorageImpl address) -> group. Each address is pinned by a weak
+        # reference until close(), so a freed storage's address is never reused meanwhile.
+        self.storages: dict[int, Group] = {}
+        self._pins: list[int] = []
+        self.shapes: dict[tuple, tuple] = {}  # one tuple per distinct size or stride: graphs hold many
+        # id -> (tensor, meta) for the last op's results and what was packed since: shared
+        # with the handles autograd saves. Never older than one op, so it pins nothing.
+        self.recent: dict[int, tuple] = {}
+        self.rng_last: dict = {}  # generator -> (index of its last random node, its state after)
+        self.sources = region.report
+
+    def close(self) -> None:
+        """Release the pinned storage addresses (the region has ended)."""
+        free = torch.UntypedStorage._free_weak_ref
+        for handle in self._pins:
+            free(handle)
+        self._pins = []
+        self.storages = {}
+        self.shapes = {}
+        self.recent = {}
+        self.rng_last = {}
+
+    def group_of(self, t: torch.Tensor) -> Group | None:
+        """The group of ``t``'s storage, or None if no recorded op has touched it."""
+        try:
+            return self.storages.get(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            _check_replayable(t)
+            raise
+
+    def external(self, t: torch.Tensor, storage=None) -> Group:
+        """A new group for a storage from outside the region, which ``t`` lives on."""
+        _check_replayable(t)
+        if storage is None:
+            storage = t.untyped_storage()
+        g = self._group(storage, t.device)
+        g.external = t
+        return g
+
+    def _group(self, storage, device) -> Group:
+        g = self.graph.new_group(storage.nbytes(), device)
+        self.storages[storage._cdata] = g
+        self._pins.append(storage._weak_ref())
+        return g
+
+    def _meta(self, t: torch.Tensor) -> TensorMeta:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            _check_replayable(t)
+            raise
+        return self.meta(t, self.storages.get(storage._cdata) or self.external(t, storage))
+
+    def meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
+        """``t`` as it is now, in group ``g``.
+
+        Autograd saves the arguments or results of the op being recorded: the metas of the
+        tensors around the current op are shared between its node and those handles.
+        """
+        recent = self.recent.get(id(t))
+        if recent is not None and recent[0] is t and recent[1].group == g.id and recent[1].state == len(g.mutations):
+            return recent[1]
+        size, stride = t.size(), t.stride()
+        shapes = self.shapes
+        m = TensorMeta(g.id, len(g.mutations), t.dtype, shapes.setdefault(size, size),
+                       shapes.setdefault(stride, stride), t.storage_offset())
+        self.recent[id(t)] = (t, m)
+        return m
+
+    def _map(self, x):
+        if isinstance(x, _Tensor):
+            return self._meta(x)
+        if isinstance(x, (list, tuple)) and any(isinstance(y, _Tensor) for y in x):
+            return type(x)(self._meta(y) if isinstance(y, _Tensor) else y for y in x)
+        return x
+
+    def _writes(self, func, info, args, kwargs) -> list:
+        """(tensor, group, storage address, bytes) of each tensor the op writes or rebinds."""
+        written = []
+        for pos, name in info.writes + info.rebinds:
+            t = args[pos] if pos < len(args) else kwargs.get(name)
+            if not isinstance(t, _Tensor):
+                continue
+            storage = t.untyped_storage()
+            g = self.storages[storage._cdata]
+            if info.writes and g.creator is None and not g.mutations:
+                # The outside tensor's value before this write may be needed to replay what
+                # read it, and the write cannot be undone: copy it now (the region's end drops
+                # the copy if nothing needs it).
+                with torch._C._DisableTorchDispatch():
+                    g.snapshot = storage.clone()
+            written.append((t, g, storage._cdata, storage.nbytes()))
+        return written
+
+    def _see(self, x) -> None:
+        """Make sure the storages of the tensors in ``x`` have groups (outside ones get one)."""
+        if isinstance(x, _Tensor):
+            self.group_of(x) or self.external(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                if isinstance(y, _Tensor):
+                    self.group_of(y) or self.external(y)
+
+    def _metas(self, args, kwargs):
+        margs = tuple([self._meta(a) if isinstance(a, _Tensor) else self._map(a) for a in args])
+        return margs, ({k: self._map(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or _NO_KWARGS
+        info = _INFO.get(func) or op_info(func)
+        graph = self.graph
+        storages = self.storages
+        written = ()
+        if info.writes or info.rebinds:
+            # what a writing op read must be written down before it writes
+            margs, mkwargs = self._metas(args, kwargs)
+            written = self._writes(func, info, args, kwargs)
+        else:
+            margs = None
+            for a in args:
+                self._see(a)
+            for a in kwargs.values():
+                self._see(a)
+        rng = None
+        if info.seeded:
+            gen = _generator(args, kwargs)
+            state = gen.get_state()
+            # When nothing drew from the generator since the last random op, replaying that op
+            # leaves the generator at this op's state: region exit may drop this copy.
+            last = self.rng_last.get(gen)
+            with torch._C._DisableTorchDispatch():
+                follows = last[0] if last is not None and torch.equal(last[1], state) else None
+            rng = (gen, state, follows)
+
+        out = func(*args, **kwargs)
+
+        for t, g, cdata, nbytes in written:
+            storage = t.untyped_storage()
+            if storage._cdata != cdata or storage.nbytes() != nbytes:
+                raise CheckpointError(
+                    f"{func} replaced or resized the storage of a tensor inside a checkpointed "
+                    "region; tracedac replays ops on storages it can rebuild and cannot replay "
+                    "that. Move it outside the region (or allocate the tensor at its final size)."
+                )
+        if info.rebinds:
+            written = ()  # geometry only: nothing to replay
+
+        if isinstance(out, _Tensor):  # most ops: one tensor out
+            flat = (out,)
+            storage = out.untyped_storage()
+            g = storages.get(storage._cdata)
+            created = () if g is not None else ((0, self._group(storage, out.device)),)
+        else:
+            flat = flatten_outputs(out)
+            created = []
+            for i, o in enumerate(flat):
+                if isinstance(o, _Tensor):
+                    storage = o.untyped_storage()
+                    if storage._cdata not in storages:
+                        created.append((i, self._group(storage, o.device)))
+        if not created and not written:
+            self.recent = {}
+            return out  # a view or a read: nothing to replay, nothing to keep
+        if margs is None:
+            margs, mkwargs = self._metas(args, kwargs)  # unchanged: the op wrote nothing
+
+        region = self.region
+        node = Node(
+            len(graph.nodes), func, margs, mkwargs, (), tuple([g.id for _, g, _, _ in written]) if written else (),
+            _interned(tuple([i for i, _ in created])), rng, current_module_path(region.module_names),
+            user_source() if self.sources else None,
+        )
+        for _, g, _, _ in written:
+            g.add_mutation(node)
+        for _, g in created:
+            g.creator = node
+        metas = []
+        recent = {}
+        for o in flat:
+            if isinstance(o, _Tensor):
+                m = self.meta(o, storages[o.untyped_storage()._cdata])
+                recent[id(o)] = (o, m)
+                metas.append(m)
+            else:
+                metas.append(None)
+        node.outputs = tuple(metas)
+        self.recent = recent
+        graph.nodes.append(node)
+        if rng is not None:
+            self.rng_last[rng[0]] = (node.index, rng[0].get_state())
+        if region.decide(node):
+            with torch._C._DisableTorchDispatch():
+                for i, g in created:
+                    region.hold(g, flat[i].detach())
+                for t, g, _, _ in written:
+                    region.hold(g, t.detach())
+        return out
