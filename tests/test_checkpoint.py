@@ -136,6 +136,14 @@ def test_checkpoint_call_has_torchs_calling_convention():
     got = torch.autograd.grad(out, (x, bias))
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
+    # transformers' layers pass their bound __call__: hooks run once, inside the region
+    block, calls = Block(), []
+    block.register_forward_pre_hook(lambda m, a: calls.append(1))
+    h = torch.randn(2, 8, 32, requires_grad=True)
+    expected = torch.autograd.grad(block(h).sum(), h)[0]
+    got = torch.autograd.grad(checkpoint_call(block.__call__, h, use_reentrant=False).sum(), h)[0]
+    assert torch.equal(got, expected) and calls == [1, 1]  # one eager call, one checkpointed
+
 
 def test_checkpoint_call_refuses_reentrant_and_context_fn():
     x = torch.randn(2, requires_grad=True)

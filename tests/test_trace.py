@@ -137,3 +137,19 @@ def test_name_labels_the_op_that_produced_the_value_and_can_flip_its_decision():
     graph, _ = record(f, torch.randn(3, requires_grad=True), policy=policies.save_names("h"))
     exp = graph.nodes[0]
     assert exp.labels == frozenset({"h"}) and exp.meta["recompute"] == CheckpointPolicy.MUST_SAVE
+
+
+def test_module_paths_are_tracked_only_when_a_policy_or_report_reads_them():
+    """Tracking costs two global hooks per module call; recompute_all never looks."""
+    seen = []
+    lin = nn.Linear(2, 2)
+
+    def f(x):
+        seen.append(len(torch.nn.modules.module._global_forward_pre_hooks))
+        return lin(x).sum()
+
+    x = torch.randn(3, 2, requires_grad=True)
+    checkpoint(f)(x).backward()
+    checkpoint(f, policy=lambda node: CheckpointPolicy.PREFER_RECOMPUTE)(x).backward()
+    assert seen == [0, 1]
+    assert not torch.nn.modules.module._global_forward_pre_hooks

@@ -43,7 +43,7 @@ class Region:
 
     def __init__(self, policy, name: str, *, module=None, module_names=None, report=False, args=(), kwargs=None):
         self.policy = policy
-        self._constant = getattr(policy, "constant", None)  # a policy that never looks at the node
+        self.constant = getattr(policy, "constant", None)  # a policy that never looks at the node
         self.graph = RegionGraph(name, policy)
         self.module = module
         self.module_names = module_names if module_names is not None else {}
@@ -59,6 +59,8 @@ class Region:
         self.arg_refs = [(f"argument {i}", weakref.ref(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         if kwargs:
             self.arg_refs += [(f"argument {k!r}", weakref.ref(a)) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+        # module paths cost two hooks per module call: only for policies and reports that read them
+        self.tracks_modules = self.report or self.constant is None
         self.tracer = TracerMode(self.graph, self)
         # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
         # so nothing but the handles keeps the graph alive.
@@ -71,7 +73,7 @@ class Region:
 
     # -- recording --
     def decide(self, node) -> bool:
-        d = self._constant or decision(self.policy, node)
+        d = self.constant or decision(self.policy, node)
         node.decision = d
         return is_save(d)
 
@@ -88,8 +90,12 @@ class Region:
         # Autograd saves an op's inputs before the op reaches the tracer: an input seen for
         # the first time has no group yet.
         tracer = self.tracer
-        g = tracer.group_of(t) or tracer.external(t)
-        meta = tracer.meta(t, g)
+        recent = tracer.recent.get(id(t))  # usually an argument or result of the op just recorded
+        if recent is not None and recent[0] is t and recent[1].state == len(recent[2].mutations):
+            meta, g = recent[1], recent[2]
+        else:
+            g = tracer.group_of(t) or tracer.external(t)
+            meta = tracer.meta(t, g)
         if g.creator is None and not g.mutations:
             if self.parent is not None and self.parent.can_rebuild(t):
                 return Slot(self.graph, meta)  # through the enclosing region's handle: not pinned
@@ -121,7 +127,8 @@ class Region:
         stack = _stack()
         self.parent = stack[-1] if stack else None
         stack.append(self)
-        track_modules(True)
+        if self.tracks_modules:
+            track_modules(True)
         self.tracer.__enter__()
         self._hooks.__enter__()
         return self
@@ -131,7 +138,8 @@ class Region:
             self._hooks.__exit__(exc_type, exc, tb)
             self.tracer.__exit__(exc_type, exc, tb)
         finally:
-            track_modules(False)
+            if self.tracks_modules:
+                track_modules(False)
             stack = _stack()
             if stack and stack[-1] is self:
                 stack.pop()
@@ -166,7 +174,7 @@ class Region:
                 graph.add_slot(slot)
         self.kept = []
         wanted = [(s.meta.group, s.meta.state) for s in graph.slots()]
-        p = plan(graph, wanted)
+        p = plan(graph, wanted)  # not kept: it would cost memory through the forward
         for g in graph.groups:
             kind = p.starts.get(g.id, (None,))[0]
             if kind != "external":

@@ -71,7 +71,7 @@ class Node:
 
     __slots__ = (
         "index", "op", "args", "kwargs", "outputs", "writes", "creates", "rng",
-        "labels", "module_path", "source", "decision", "_flops", "_reads",
+        "labels", "module_path", "source", "decision", "_flops",
     )
 
     def __init__(self, index, op, args, kwargs, outputs, writes, creates, rng, module_path, source):
@@ -90,7 +90,6 @@ class Node:
         self.source = source
         self.decision = None  # the CheckpointPolicy decided for this node
         self._flops = None
-        self._reads = None
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -120,13 +119,6 @@ class Node:
             elif isinstance(a, (list, tuple)):
                 metas.extend(x for x in a if isinstance(x, TensorMeta))
         return tuple(metas)
-
-    @property
-    def reads(self) -> tuple:
-        """(group, state) of every tensor argument: what replaying this node needs first."""
-        if self._reads is None:
-            self._reads = tuple([(m.group, m.state) for m in self.tensor_args])
-        return self._reads
 
     @property
     def flops(self) -> int:
@@ -193,6 +185,7 @@ class RegionGraph:
         self.passes = 0  # replay passes run, for tests and reports
         self.replayed_ops = 0
         self.namer = _shape_name  # outside tensor -> a name for error messages
+        self.plan = None  # the last replay plan, reused while it still answers what is wanted
 
     def add_slot(self, slot) -> None:
         self._slots.append(weakref.ref(slot))

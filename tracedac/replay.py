@@ -29,6 +29,7 @@ from .graph import Group, RegionGraph, TensorMeta, flatten_outputs, human_bytes
 __all__ = ["Slot", "plan", "run_pass"]
 
 _Tensor = torch.Tensor
+_NOT_STARTED = ("",)
 
 
 def _double_backward_error():
@@ -134,12 +135,30 @@ def _changed_error(graph: RegionGraph, slot) -> CheckpointError:
 
 
 class Plan:
-    __slots__ = ("starts", "nodes", "needs")
+    __slots__ = ("starts", "nodes", "wanted", "_reads", "_last_use")
 
-    def __init__(self, starts, nodes, needs):
+    def __init__(self, starts, nodes, wanted):
         self.starts = starts  # group id -> (source kind, state it starts in)
         self.nodes = nodes  # node indices to run, in recorded order
-        self.needs = needs  # group id -> states wanted
+        self.wanted = wanted  # the (group id, state) pairs it was made for
+        self._reads = None
+
+    def reads(self, graph: RegionGraph) -> tuple[dict, dict]:
+        """Each planned node's tensor arguments, and the last planned node reading each group."""
+        if self._reads is None:
+            self._reads = {i: graph.nodes[i].tensor_args for i in self.nodes}
+            self._last_use = {}
+            for i in self.nodes:
+                for m in self._reads[i]:
+                    self._last_use[m.group] = i
+        return self._reads, self._last_use
+
+    def still_valid(self, graph: RegionGraph, wanted: frozenset) -> bool:
+        """Whether this plan still answers ``wanted``: same requests, live sources unchanged."""
+        return wanted == self.wanted and all(
+            kind not in ("held", "external") or _live(graph.groups[gid]) == kind
+            for gid, (kind, _) in self.starts.items()
+        )
 
 
 def plan(graph: RegionGraph, wanted) -> Plan:
@@ -157,7 +176,7 @@ def plan(graph: RegionGraph, wanted) -> Plan:
             if node.index in chosen:
                 continue
             chosen.add(node.index)
-            work.extend(node.reads)
+            work.extend([(m.group, m.state) for m in node.tensor_args])
             if node.rng is not None and node.rng[1] is None:
                 to_run.append(nodes[node.rng[2]])  # its replay leaves the generator where this one starts
         if not work:
@@ -188,21 +207,22 @@ def plan(graph: RegionGraph, wanted) -> Plan:
                 to_run.append(g.creator)
         if highest > start[1]:
             to_run.extend(g.mutations[start[1]:highest])
-    return Plan(starts, sorted(chosen), needs)
+    return Plan(starts, sorted(chosen), frozenset(wanted))
 
 
 # --- running -----------------------------------------------------------------------------
 
 
-def _source_storage(g: Group, kind: str):
+def _source(g: Group, kind: str) -> torch.Tensor:
+    """A tensor on the storage a group starts from."""
     if kind == "held":
-        return g.held.untyped_storage()
+        return g.held
     if kind == "external":
-        return g.external.untyped_storage()
+        return g.external
     if kind == "snapshot":
-        return g.snapshot
+        return torch.empty(0, dtype=torch.uint8, device=g.device).set_(g.snapshot)
     if kind == "outer":
-        return g.outer.unpack().untyped_storage()
+        return g.outer.unpack()
     raise AssertionError(kind)
 
 
@@ -268,63 +288,70 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
     """Rebuild ``caller``'s value and that of every handle of ``graph`` backward still waits for."""
     slots = [s for s in graph.slots() if s.wanted and s is not caller]
     slots.append(caller)
-    try:
-        p = plan(graph, [(s.meta.group, s.meta.state) for s in slots])
-    except CheckpointError:
-        changed = [s for s in slots if s.changed]
-        if not changed:
-            raise
-        raise _changed_error(graph, changed[0]) from None
+    wanted = frozenset([(s.meta.group, s.meta.state) for s in slots])
+    p = graph.plan
+    if p is None or not p.still_valid(graph, wanted):
+        try:
+            p = graph.plan = plan(graph, wanted)
+        except CheckpointError:
+            changed = [s for s in slots if s.changed]
+            if not changed:
+                raise
+            raise _changed_error(graph, changed[0]) from None
     graph.passes += 1
     graph.replayed_ops += len(p.nodes)
+    reads, last_use = p.reads(graph)
+    nodes, groups, starts = graph.nodes, graph.groups, p.starts
 
-    captures: dict[int, list] = {}
+    captures: dict[int, list] = {}  # group -> handles waiting for a state of it
     for s in slots:
         captures.setdefault(s.meta.group, []).append(s)
-    last_use: dict[int, int] = {}
-    reads = {i: graph.nodes[i].tensor_args for i in p.nodes}
-    for i in p.nodes:
-        for m in reads[i]:
-            last_use[m.group] = i
-
-    env = _Env(graph.groups)
+    env = _Env(groups)
+    view = env.view
 
     def capture(gid):
-        waiting = captures.get(gid)
-        if not waiting:
-            return
         state = env.state[gid]
+        waiting = captures[gid]
         keep = [s for s in waiting if s.meta.state != state]
-        for s in waiting:
-            if s.meta.state == state:
-                s.value = env.view(s.meta)
-                env.borrowed.add(gid)  # a later write must not change what was handed out
-        captures[gid] = keep
+        if len(keep) < len(waiting):
+            for s in waiting:
+                if s.meta.state == state:
+                    s.value = view(s.meta)
+            env.borrowed.add(gid)  # a later write must not change what was handed out
+        if keep:
+            captures[gid] = keep
+        else:
+            del captures[gid]
 
     generators = {}
     try:
         with torch.no_grad(), torch._C._DisableAutocast():
-            for gid, (kind, state) in p.starts.items():
+            for gid, (kind, state) in starts.items():
                 if kind != "create":
-                    env.put(gid, _source_storage(graph.groups[gid], kind), state, borrowed=True)
-                    capture(gid)
+                    source = _source(groups[gid], kind)
+                    env.put(gid, source.untyped_storage(), state, borrowed=True)
+                    # the source itself serves the arguments laid out as it is, with no set_
+                    env.views[gid] = {(source.dtype, source.size(), source.stride(), source.storage_offset()): source}
+                    if gid in captures:
+                        capture(gid)
             for i in p.nodes:
-                node = graph.nodes[i]
+                node = nodes[i]
                 for gid in node.writes:
                     env.own(gid)
-                args = [_arg(env, a) for a in node.args]
-                kwargs = {k: _arg(env, v) for k, v in node.kwargs.items()}
+                args = [view(a) if a.__class__ is TensorMeta else _arg(env, a) for a in node.args]
+                kwargs = {k: _arg(env, v) for k, v in node.kwargs.items()} if node.kwargs else {}
                 if node.rng is not None:
                     gen, state, _ = node.rng
                     if gen not in generators:
                         generators[gen] = gen.get_state()
                     if state is not None:
                         gen.set_state(state)
-                out = node.op(*args, **kwargs)
+                out = node.op._op(*args, **kwargs)
                 flat = (out,) if isinstance(out, _Tensor) else flatten_outputs(out)
                 for k in node.creates:
                     o, m = flat[k], node.outputs[k]
-                    if p.starts.get(m.group, ("",))[0] != "create":
+                    gid = m.group
+                    if starts.get(gid, _NOT_STARTED)[0] != "create":
                         continue  # an output nobody wants, or one a live tensor provides
                     if o.size() != m.size or o.stride() != m.stride or o.storage_offset() != m.offset:
                         raise CheckpointError(
@@ -334,21 +361,19 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
                             "deterministic in layout, so tracedac cannot replay it. Keep its "
                             "result with a policy (save_ops) instead."
                         )
-                    env.put(m.group, o.untyped_storage(), 0, borrowed=False)
-                    env.views[m.group] = {(m.dtype, m.size, m.stride, m.offset): o}
+                    env.put(gid, o.untyped_storage(), 0, borrowed=False)
+                    env.views[gid] = {(m.dtype, m.size, m.stride, m.offset): o}
+                    if gid in captures:
+                        capture(gid)
+                    if last_use.get(gid, -1) <= i and gid not in captures:
+                        env.drop(gid)  # nothing later reads it: it lives on in what was captured
                 for gid in node.writes:
                     env.state[gid] += 1
-                created = [node.outputs[k].group for k in node.creates if node.outputs[k].group in env.storage]
-                for gid in created:
-                    capture(gid)
-                for gid in node.writes:
-                    capture(gid)
+                    if gid in captures:
+                        capture(gid)
                 for m in reads[i]:
-                    if last_use.get(m.group) == i and not captures.get(m.group):
+                    if last_use[m.group] == i and m.group not in captures:
                         env.drop(m.group)
-                for gid in created:
-                    if last_use.get(gid, -1) <= i and not captures.get(gid):
-                        env.drop(gid)
     finally:
         for gen, state in generators.items():
             gen.set_state(state)

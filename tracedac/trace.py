@@ -14,7 +14,10 @@ import threading
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torch.utils.checkpoint import CheckpointPolicy
+
 from .errors import CheckpointError
+from .policies import decision
 from .graph import Group, Node, RegionGraph, TensorMeta, flatten_outputs
 
 __all__ = ["TracerMode", "current_module_path"]
@@ -34,6 +37,8 @@ class _OpInfo:
 
 _INFO: dict = {}
 _NO_KWARGS: dict = {}  # shared by every node without keyword arguments: never written
+_SEQUENCES = (list, tuple)
+MUST_SAVE, PREFER_SAVE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE
 _SMALL_TUPLES: dict = {}
 
 
@@ -231,37 +236,51 @@ class TracerMode(TorchDispatchMode):
         return g
 
     def _meta(self, t: torch.Tensor) -> TensorMeta:
+        recent = self.recent.get(id(t))
+        if recent is not None and recent[0] is t and recent[1].state == len(recent[2].mutations):
+            return recent[1]
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             _check_replayable(t)
             raise
-        return self.meta(t, self.storages.get(storage._cdata) or self.external(t, storage))
+        return self._new_meta(t, self.storages.get(storage._cdata) or self.external(t, storage))
 
     def meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
         """``t`` as it is now, in group ``g``.
 
         Autograd saves the arguments or results of the op being recorded: the metas of the
-        tensors around the current op are shared between its node and those handles.
+        tensors around the current op are shared between its node and those handles (a
+        tensor keeps its storage and geometry between ops unless an op rebinds it, and
+        such an op clears ``recent``).
         """
         recent = self.recent.get(id(t))
-        if recent is not None and recent[0] is t and recent[1].group == g.id and recent[1].state == len(g.mutations):
+        if recent is not None and recent[0] is t and recent[2] is g and recent[1].state == len(g.mutations):
             return recent[1]
+        return self._new_meta(t, g)
+
+    def _new_meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
         size, stride = t.size(), t.stride()
         shapes = self.shapes
         m = TensorMeta(g.id, len(g.mutations), t.dtype, shapes.setdefault(size, size),
                        shapes.setdefault(stride, stride), t.storage_offset())
-        self.recent[id(t)] = (t, m)
+        self.recent[id(t)] = (t, m, g)
         return m
 
     def _map(self, x):
-        if isinstance(x, _Tensor):
-            return self._meta(x)
-        if isinstance(x, (list, tuple)) and any(isinstance(y, _Tensor) for y in x):
+        """A list or tuple argument with its tensors replaced by metas (others as they are)."""
+        if any(isinstance(y, _Tensor) for y in x):
             return type(x)(self._meta(y) if isinstance(y, _Tensor) else y for y in x)
         return x
 
-    def _writes(self, func, info, args, kwargs) -> list:
+    def _arg(self, a):
+        if isinstance(a, _Tensor):
+            return self._meta(a)
+        if a.__class__ in _SEQUENCES:
+            return self._map(a)
+        return a
+
+    def _writes(self, info, args, kwargs) -> list:
         """(tensor, group, storage address, bytes) of each tensor the op writes or rebinds."""
         written = []
         for pos, name in info.writes + info.rebinds:
@@ -279,47 +298,31 @@ class TracerMode(TorchDispatchMode):
             written.append((t, g, storage._cdata, storage.nbytes()))
         return written
 
-    def _see(self, x) -> None:
-        """Make sure the storages of the tensors in ``x`` have groups (outside ones get one)."""
-        if isinstance(x, _Tensor):
-            self.group_of(x) or self.external(x)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                if isinstance(y, _Tensor):
-                    self.group_of(y) or self.external(y)
-
-    def _metas(self, args, kwargs):
-        margs = tuple([self._meta(a) if isinstance(a, _Tensor) else self._map(a) for a in args])
-        return margs, ({k: self._map(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS)
+    def _random(self, args, kwargs) -> tuple:
+        gen = _generator(args, kwargs)
+        state = gen.get_state()
+        # When nothing drew from the generator since the last random op, replaying that op
+        # leaves the generator at this op's state: region exit may drop this copy.
+        last = self.rng_last.get(gen)
+        with torch._C._DisableTorchDispatch():
+            follows = last[0] if last is not None and torch.equal(last[1], state) else None
+        return gen, state, follows
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or _NO_KWARGS
         info = _INFO.get(func) or op_info(func)
-        graph = self.graph
         storages = self.storages
-        written = ()
-        if info.writes or info.rebinds:
-            # what a writing op read must be written down before it writes
-            margs, mkwargs = self._metas(args, kwargs)
-            written = self._writes(func, info, args, kwargs)
-        else:
-            margs = None
-            for a in args:
-                self._see(a)
-            for a in kwargs.values():
-                self._see(a)
-        rng = None
-        if info.seeded:
-            gen = _generator(args, kwargs)
-            state = gen.get_state()
-            # When nothing drew from the generator since the last random op, replaying that op
-            # leaves the generator at this op's state: region exit may drop this copy.
-            last = self.rng_last.get(gen)
-            with torch._C._DisableTorchDispatch():
-                follows = last[0] if last is not None and torch.equal(last[1], state) else None
-            rng = (gen, state, follows)
+        # Arguments first: this registers outside storages before the outputs are looked at
+        # (so a view of an input is not taken for a new storage), and records what a writing
+        # op read before it writes. Most arguments are the last op's results: cached metas.
+        meta = self._meta
+        margs = tuple([meta(a) if isinstance(a, _Tensor) else (self._map(a) if a.__class__ in _SEQUENCES else a)
+                       for a in args])
+        mkwargs = {k: self._arg(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
+        written = self._writes(info, args, kwargs) if info.writes or info.rebinds else ()
+        rng = self._random(args, kwargs) if info.seeded else None
 
-        out = func(*args, **kwargs)
+        out = func._op(*args, **kwargs)  # what OpOverload.__call__ does, one Python frame less
 
         for t, g, cdata, nbytes in written:
             storage = t.untyped_storage()
@@ -330,13 +333,13 @@ class TracerMode(TorchDispatchMode):
                     "that. Move it outside the region (or allocate the tensor at its final size)."
                 )
         if info.rebinds:
-            written = ()  # geometry only: nothing to replay
+            self.recent = {}  # geometry changed in place: cached metas are stale
+            return out  # and nothing to replay: geometry is read off tensors at every use
 
         if isinstance(out, _Tensor):  # most ops: one tensor out
             flat = (out,)
             storage = out.untyped_storage()
-            g = storages.get(storage._cdata)
-            created = () if g is not None else ((0, self._group(storage, out.device)),)
+            created = () if storage._cdata in storages else ((0, self._group(storage, out.device)),)
         else:
             flat = flatten_outputs(out)
             created = []
@@ -346,11 +349,9 @@ class TracerMode(TorchDispatchMode):
                     if storage._cdata not in storages:
                         created.append((i, self._group(storage, o.device)))
         if not created and not written:
-            self.recent = {}
             return out  # a view or a read: nothing to replay, nothing to keep
-        if margs is None:
-            margs, mkwargs = self._metas(args, kwargs)  # unchanged: the op wrote nothing
 
+        graph = self.graph
         region = self.region
         node = Node(
             len(graph.nodes), func, margs, mkwargs, (), tuple([g.id for _, g, _, _ in written]) if written else (),
@@ -362,20 +363,16 @@ class TracerMode(TorchDispatchMode):
         for _, g in created:
             g.creator = node
         metas = []
-        recent = {}
+        self.recent = {}  # from here on: this op's results
         for o in flat:
-            if isinstance(o, _Tensor):
-                m = self.meta(o, storages[o.untyped_storage()._cdata])
-                recent[id(o)] = (o, m)
-                metas.append(m)
-            else:
-                metas.append(None)
+            metas.append(meta(o) if isinstance(o, _Tensor) else None)
         node.outputs = tuple(metas)
-        self.recent = recent
         graph.nodes.append(node)
         if rng is not None:
             self.rng_last[rng[0]] = (node.index, rng[0].get_state())
-        if region.decide(node):
+        d = region.constant or decision(region.policy, node)
+        node.decision = d
+        if d is MUST_SAVE or d is PREFER_SAVE:
             with torch._C._DisableTorchDispatch():
                 for i, g in created:
                     region.hold(g, flat[i].detach())
