@@ -183,3 +183,18 @@ def test_retained_graphs_replay_again_on_every_backward():
     g1 = torch.autograd.grad(out, x, retain_graph=True)[0]
     g2 = torch.autograd.grad(out, x, retain_graph=True)[0]
     assert torch.equal(g1, g2) and regions[0].graph.passes == 2
+
+
+def test_a_kept_result_the_program_modifies_after_forward_is_never_used_stale():
+    """The kept storage changed under the graph: rebuild it, or refuse; never replay from it."""
+
+    def f(x, w):
+        h = x @ w  # kept by save_matmuls, and returned
+        return h, torch.tanh(F.gelu(h)).sum()  # tanh's output is replayed from h
+
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    h, loss = checkpoint(f, policy=policies.save_matmuls())(x, w)
+    with torch.no_grad():
+        h.mul_(3)
+    with pytest.raises(CheckpointError, match="aten.mm.default.*kept for backward, was modified in place after the forward"):
+        loss.backward()

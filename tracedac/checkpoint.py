@@ -15,6 +15,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .errors import CheckpointError
 from .graph import RegionGraph
@@ -34,6 +35,9 @@ def _stack() -> list:
     return stack
 
 
+_SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+
 def _unpack(handle):
     return handle.unpack()
 
@@ -51,6 +55,7 @@ class Region:
         self.report = report or reporting is not None
         self.handles = [] if self.report else None  # every handle packed, for saved_report
         self.kept: list = []  # handles holding their tensor, until the region ends
+        self.raw_held: list = []  # (group, the program's tensor) held until the region ends
         if reporting is not None:
             reporting.append(self)
         self.parent: Region | None = None
@@ -78,7 +83,19 @@ class Region:
         return is_save(d)
 
     def hold(self, group, tensor) -> None:
+        """Keep ``tensor`` (the program's own) for ``group`` until ``alias`` replaces it."""
         group.held = tensor
+        self.raw_held.append((group, tensor))
+
+    def alias(self, group, t: torch.Tensor) -> torch.Tensor:
+        """A detached alias of ``t`` sharing its version counter, also held for ``group``
+        in place of the program's tensor (which would close a reference cycle through the
+        grad_fn of the tensor autograd is saving)."""
+        with torch._C._DisableTorchDispatch():  # above autograd: detach shares the version counter
+            a = t.detach()
+        if group.held is t:
+            group.held = a
+        return a
 
     def pack(self, t: torch.Tensor):
         handle = self._pack(t)
@@ -96,16 +113,16 @@ class Region:
         else:
             g = tracer.group_of(t) or tracer.external(t)
             meta = tracer.meta(t, g)
-        if g.creator is None and not g.mutations:
+        mutations = g.mutations
+        if g.creator is None and not mutations:
             if self.parent is not None and self.parent.can_rebuild(t):
                 return Slot(self.graph, meta)  # through the enclosing region's handle: not pinned
             # An input as it came in: kept as eager keeps it. If the region writes it later,
             # region exit plans its replay from the copy taken before the write.
             slot = Slot(self.graph, meta, t, exact=True)
-        elif is_save(g.node.decision):
-            with torch._C._DisableTorchDispatch():
-                # detached: the saved output's grad_fn holds this handle; no reference cycle
-                slot = Slot(self.graph, meta, t.detach())
+        elif (mutations[-1] if mutations else g.creator).decision in _SAVE:
+            # detached: the saved output's grad_fn holds this handle; no reference cycle
+            slot = Slot(self.graph, meta, self.alias(g, t))
         else:
             return Slot(self.graph, meta)
         self.kept.append(slot)
@@ -154,6 +171,10 @@ class Region:
     def _finish(self) -> None:
         """Plan replay for every handle, then let go of everything the plan does not use."""
         graph = self.graph
+        for g, t in self.raw_held:
+            if g.held is t:
+                self.alias(g, t)
+        self.raw_held = []
         module = weakref.ref(self.module) if self.module is not None else None
         graph.namer = functools.partial(_describe, module, self.arg_refs)
         for g in graph.groups:
@@ -429,6 +450,5 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
         node = g.node
         node.labels = node.labels | {label}
         if region.decide(node) and g.held is None:
-            with torch._C._DisableTorchDispatch():
-                region.hold(g, tensor.detach())
+            region.hold(g, tensor)
     return tensor

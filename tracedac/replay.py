@@ -118,19 +118,23 @@ def _unavailable(graph: RegionGraph, g: Group) -> CheckpointError:
 
 def _changed_error(graph: RegionGraph, slot) -> CheckpointError:
     t = slot.tensor
-    versions = f"(version {t._version}, saved at {slot.version})"
     if slot.exact:
         return CheckpointError(
             f"{graph.namer(t)}, which region {graph.name!r} read and autograd saved, was "
-            f"modified in place after the forward {versions}; its gradient would be computed "
-            "from the new value. Modify a copy, or make the change after backward."
+            f"modified in place after the forward (version {t._version}, saved at "
+            f"{slot.version}); its gradient would be computed from the new value. Modify a "
+            "copy, or make the change after backward."
         )
-    node = graph.groups[slot.meta.group].node
+    return _kept_changed_error(graph, graph.groups[slot.meta.group], t._version, slot.version)
+
+
+def _kept_changed_error(graph: RegionGraph, g: Group, now: int, then: int) -> CheckpointError:
+    node = g.node
     return CheckpointError(
         f"the result of {node.name} (node {node.index} of region {graph.name!r}), kept for "
-        f"backward, was modified in place after the forward {versions}, and what it was "
-        "computed from was not kept, so it cannot be rebuilt. Modify a copy instead, or use a "
-        "policy that does not keep it."
+        f"backward, was modified in place after the forward (version {now}, kept at {then}), "
+        "and what it was computed from was not kept, so it cannot be rebuilt. Modify a copy "
+        "instead, or use a policy that does not keep it."
     )
 
 
@@ -169,6 +173,7 @@ def plan(graph: RegionGraph, wanted) -> Plan:
     chosen: set[int] = set()
     work = list(wanted)  # (group id, state) still to provide
     to_run: list = []  # nodes chosen whose inputs are still to be asked for
+    stale = None  # a kept storage the program modified since, if planning had to go around one
 
     while work or to_run:
         while to_run:
@@ -193,11 +198,15 @@ def plan(graph: RegionGraph, wanted) -> Plan:
             lowest, highest = min(states), max(states)
         g = groups[gid]
         kind = _live(g) if lowest == len(g.mutations) else None
+        if kind is None and g.held is not None and g.held._version != g.version:
+            stale = stale or g  # kept, then modified by the program: must be rebuilt
         if kind is not None:
             start = (kind, lowest)
         elif g.creator is None and g.snapshot is not None:
             start = ("snapshot", 0)
         elif g.creator is None:
+            if stale is not None:
+                raise _kept_changed_error(graph, stale, stale.held._version, stale.version)
             raise _unavailable(graph, g)
         else:
             start = ("create", 0)

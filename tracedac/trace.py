@@ -39,12 +39,7 @@ _INFO: dict = {}
 _NO_KWARGS: dict = {}  # shared by every node without keyword arguments: never written
 _SEQUENCES = (list, tuple)
 MUST_SAVE, PREFER_SAVE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE
-_SMALL_TUPLES: dict = {}
-
-
-def _interned(t: tuple) -> tuple:
-    """One object for each small tuple of indices (nearly every node's ``creates`` is (0,))."""
-    return _SMALL_TUPLES.setdefault(t, t) if len(t) < 4 else t
+_FIRST = (0,)  # the ``creates`` of nearly every node: one shared tuple
 
 
 def op_info(func) -> _OpInfo:
@@ -59,7 +54,7 @@ def op_info(func) -> _OpInfo:
     # as long as the tensor stays on its storage (set_ and a growing resize_ do not).
     seeded = torch.Tag.nondeterministic_seeded in tags
     info = _OpInfo((), written, seeded) if torch.Tag.inplace_view in tags else _OpInfo(written, (), seeded)
-    _INFO[func] = info
+    _INFO[id(func)] = (func, info)  # by id: OpOverload.__hash__ is a Python method; func pins the id
     return info
 
 
@@ -199,6 +194,7 @@ class TracerMode(TorchDispatchMode):
         # with the handles autograd saves. Never older than one op, so it pins nothing.
         self.recent: dict[int, tuple] = {}
         self.rng_last: dict = {}  # generator -> (index of its last random node, its state after)
+        self.devices: dict = {}
         self.sources = region.report
 
     def close(self) -> None:
@@ -230,6 +226,7 @@ class TracerMode(TorchDispatchMode):
         return g
 
     def _group(self, storage, device) -> Group:
+        device = self.devices.setdefault(device, device)  # one object per device, not per group
         g = self.graph.new_group(storage.nbytes(), device)
         self.storages[storage._cdata] = g
         self._pins.append(storage._weak_ref())
@@ -310,7 +307,8 @@ class TracerMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or _NO_KWARGS
-        info = _INFO.get(func) or op_info(func)
+        info = _INFO.get(id(func))
+        info = info[1] if info is not None else op_info(func)
         storages = self.storages
         # Arguments first: this registers outside storages before the outputs are looked at
         # (so a view of an input is not taken for a new storage), and records what a writing
@@ -339,7 +337,8 @@ class TracerMode(TorchDispatchMode):
         if isinstance(out, _Tensor):  # most ops: one tensor out
             flat = (out,)
             storage = out.untyped_storage()
-            created = () if storage._cdata in storages else ((0, self._group(storage, out.device)),)
+            g = storages.get(storage._cdata)
+            created = () if g is not None else ((0, self._group(storage, out.device)),)
         else:
             flat = flatten_outputs(out)
             created = []
@@ -355,27 +354,29 @@ class TracerMode(TorchDispatchMode):
         region = self.region
         node = Node(
             len(graph.nodes), func, margs, mkwargs, (), tuple([g.id for _, g, _, _ in written]) if written else (),
-            _interned(tuple([i for i, _ in created])), rng, current_module_path(region.module_names),
+            _FIRST if len(created) == 1 and created[0][0] == 0 else tuple([i for i, _ in created]), rng,
+            current_module_path(region.module_names) if region.tracks_modules else None,
             user_source() if self.sources else None,
         )
         for _, g, _, _ in written:
             g.add_mutation(node)
         for _, g in created:
             g.creator = node
-        metas = []
         self.recent = {}  # from here on: this op's results
-        for o in flat:
-            metas.append(meta(o) if isinstance(o, _Tensor) else None)
-        node.outputs = tuple(metas)
+        if len(flat) == 1 and created:
+            node.outputs = (self._new_meta(out, created[0][1]),)  # its group is the one just made
+        else:
+            node.outputs = tuple([meta(o) if isinstance(o, _Tensor) else None for o in flat])
         graph.nodes.append(node)
         if rng is not None:
             self.rng_last[rng[0]] = (node.index, rng[0].get_state())
         d = region.constant or decision(region.policy, node)
         node.decision = d
         if d is MUST_SAVE or d is PREFER_SAVE:
-            with torch._C._DisableTorchDispatch():
-                for i, g in created:
-                    region.hold(g, flat[i].detach())
-                for t, g, _, _ in written:
-                    region.hold(g, t.detach())
+            # Held as the program's own tensors for now: a detach() down here, below autograd,
+            # would not share their version counter (the region makes proper aliases later).
+            for i, g in created:
+                region.hold(g, flat[i])
+            for t, g, _, _ in written:
+                region.hold(g, t)
         return out

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action="store_true", help="run the kernel benchmark instead of the comparison")
     p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="time with glibc's default behaviour of returning freed memory to the OS "
+                   "(by default freed memory is kept for reuse, as torch's CUDA allocator does: see probe.py)")
     return p
 
 
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
         except (ValueError, probe.ProbeUnavailable) as e:
             parser.error(str(e))
         figures = checkpointing.run(cfg, steps=args.steps, device=args.device, quick=args.quick,
-                                    progress=None if args.quiet else sys.stderr)
+                                    progress=None if args.quiet else sys.stderr, system_malloc=args.system_malloc)
         print(checkpointing.format_report(figures))
     if args.json:
         _write_json(args.json, figures)

@@ -339,12 +339,14 @@ def check_settings(cfg: Config, steps: int, device: str) -> tuple[Config, torch.
 
 
 def run(cfg: Config = Config(), *, steps: int = 8, device: str = "cpu", quick: bool = False,
-        progress: TextIO | None = sys.stderr) -> dict:
+        progress: TextIO | None = sys.stderr, system_malloc: bool = False) -> dict:
     """Run the comparison and the tracing-overhead section; return every figure.
 
     ``quick`` swaps in ``QUICK`` (a tiny model) for ``cfg``, at most two timed steps, and a
     tracing section at that model's own size: for tests and for checking a set-up. Progress
-    lines go to ``progress`` (None: silent).
+    lines go to ``progress`` (None: silent). Unless ``system_malloc``, timings run with glibc
+    keeping freed memory (``probe.keep_freed_memory``); the memory figures come from a
+    child interpreter either way.
     """
     if quick:
         cfg, steps = QUICK, min(steps, 2)
@@ -359,6 +361,7 @@ def run(cfg: Config = Config(), *, steps: int = 8, device: str = "cpu", quick: b
             "OpenMP workers spin by default, so on a busy machine torch's threads stall each other "
             "and step times can come out several times too slow and far apart. Run on an idle "
             "machine, or with OMP_WAIT_POLICY=passive in the environment.")
+    steady = dev.type == "cpu" and not system_malloc and probe.keep_freed_memory()
     rows = _compare(cfg, steps, dev, say)
     tracing = _tracing(trace_cfg, steps, dev, say)
     wall = time.perf_counter() - start
@@ -370,6 +373,7 @@ def run(cfg: Config = Config(), *, steps: int = 8, device: str = "cpu", quick: b
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "probe": f"{probe.describe(dev)}, child interpreter with PYTHONMALLOC=malloc",
+        "timing_allocator": "glibc keeping freed memory (mallopt)" if steady else "default",
         "variants": rows,
         "tracing": tracing,
         "targets": _targets(rows, tracing),
@@ -421,7 +425,8 @@ def format_report(result: dict) -> str:
         f"(top {cfg['top_k']}, width {cfg['expert_hidden']}), batch {cfg['batch']}x{cfg['seq']} tokens, "
         f"vocab {cfg['vocab']}, dropout {cfg['dropout']}",
         f"device {result['device']}, {result['threads']} threads, torch {result['torch']}; "
-        f"{result['steps']} timed steps per variant; memory: {result['probe']}",
+        f"{result['steps']} timed steps per variant; timing allocator: {result.get('timing_allocator', 'default')}; "
+        f"memory: {result['probe']}",
         "",
         line(header),
         line(["-" * w for w in widths]),
