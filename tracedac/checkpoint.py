@@ -115,8 +115,11 @@ class Region:
             meta = tracer.meta(t, g)
         mutations = g.mutations
         if g.creator is None and not mutations:
-            if self.parent is not None and self.parent.can_rebuild(t):
-                return Slot(self.graph, meta)  # through the enclosing region's handle: not pinned
+            if t is not g.external or (self.parent is not None and self.parent.can_rebuild(t)):
+                # A view made in the region of an input (an expert's slice of a weight) is
+                # rebuilt from the input's storage rather than pinned with its autograd node;
+                # an input an enclosing region computed, through that region's handle.
+                return Slot(self.graph, meta)
             # An input as it came in: kept as eager keeps it. If the region writes it later,
             # region exit plans its replay from the copy taken before the write.
             slot = Slot(self.graph, meta, t, exact=True)
@@ -208,15 +211,16 @@ class Region:
                 g.outer = None
         needed = set(p.nodes)
         for node in graph.nodes:
-            if node.rng is None:
-                continue
-            gen, state, follows = node.rng
             if node.index not in needed:
-                node.rng = None  # a generator state nothing will replay
-            elif follows in needed:
-                node.rng = (gen, None, follows)  # replaying ``follows`` first restores it
-            else:
-                node.rng = (gen, state, None)
+                if not self.report:  # reports show the whole graph
+                    node.forget_arguments()  # nothing will replay it: its metadata and generator state go
+                node.rng = None
+            elif node.rng is not None:
+                gen, state, follows = node.rng
+                if follows in needed:
+                    node.rng = (gen, None, follows)  # replaying ``follows`` first restores it
+                else:
+                    node.rng = (gen, state, None)
 
 
 def _describe(module_ref, arg_refs, t) -> str:

@@ -110,6 +110,14 @@ class Node:
         return sum(self.outputs[i].nbytes for i in self.creates)
 
     @property
+    def replayable(self) -> bool:
+        """False once the region ended and decided nothing will replay this node."""
+        return self.args is not None
+
+    def forget_arguments(self) -> None:
+        self.args = self.kwargs = self.rng = None
+
+    @property
     def tensor_args(self) -> tuple:
         """The TensorMeta of every tensor argument, lists included, in order."""
         metas = []
@@ -124,6 +132,8 @@ class Node:
     def flops(self) -> int:
         """FLOPs by torch's own formulas (``torch.utils.flop_counter``); 0 for ops it does not cost."""
         if self._flops is None:
+            if self.args is None:
+                return 0  # forgotten when the region ended (nothing replays it)
             self._flops = op_flops(self.op, self.args, self.kwargs, self.outputs)
         return self._flops
 

@@ -100,6 +100,17 @@ def _live(g: Group):
     return None
 
 
+class _Forgotten(CheckpointError):
+    """Replay needs a node the region ended sure nothing would replay (a source changed since)."""
+
+    def __init__(self, node):
+        super().__init__(
+            f"replay needs {node.name} (node {node.index}), which the region did not keep because "
+            "nothing was to replay it; something it relied on was modified in place after the "
+            "forward. Modify a copy instead, or make the change after backward."
+        )
+
+
 def _unavailable(graph: RegionGraph, g: Group) -> CheckpointError:
     if g.external is not None:
         return CheckpointError(
@@ -180,6 +191,10 @@ def plan(graph: RegionGraph, wanted) -> Plan:
             node = to_run.pop()
             if node.index in chosen:
                 continue
+            if not node.replayable:
+                if stale is not None:
+                    raise _kept_changed_error(graph, stale, stale.held._version, stale.version)
+                raise _Forgotten(node)
             chosen.add(node.index)
             work.extend([(m.group, m.state) for m in node.tensor_args])
             if node.rng is not None and node.rng[1] is None:

@@ -1,7 +1,8 @@
-"""Recording a region: a TorchDispatchMode that appends one node per aten op.
+"""Recording a region: a TorchDispatchMode that writes down what each aten op did.
 
-Every op runs eagerly exactly as it would without tracedac; the mode only writes down what
-it did (see ``graph.py`` for the model). It is pushed when a checkpointed region starts and
+Every op runs eagerly exactly as it would without tracedac; the mode only records it (see
+``graph.py`` for the model): a node for each op that allocates or writes a storage, and a
+group for each storage an op touches. It is pushed when a checkpointed region starts and
 popped when it ends, so code outside regions runs with no mode and no cost.
 """
 
@@ -13,12 +14,11 @@ import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .errors import CheckpointError
-from .policies import decision
 from .graph import Group, Node, RegionGraph, TensorMeta, flatten_outputs
+from .policies import decision
 
 __all__ = ["TracerMode", "current_module_path"]
 
@@ -168,10 +168,12 @@ def _check_replayable(t: torch.Tensor) -> None:
 
 
 class TracerMode(TorchDispatchMode):
-    """Records every aten op of one region call into ``graph``.
+    """Records one region call into ``graph``.
 
-    ``region`` supplies the policy decision for a node (``region.decide(node)``), a module
-    name table, and whether to record source lines (reports only: it walks the stack).
+    ``region`` supplies the policy (``region.policy``, or ``region.constant`` for one that
+    never looks at nodes), where kept results go (``region.hold``), the module name table
+    and whether to track module paths, and whether to record source lines (reports only:
+    that walks the Python stack).
     """
 
     @classmethod
@@ -190,8 +192,9 @@ class TracerMode(TorchDispatchMode):
         self.storages: dict[int, Group] = {}
         self._pins: list[int] = []
         self.shapes: dict[tuple, tuple] = {}  # one tuple per distinct size or stride: graphs hold many
-        # id -> (tensor, meta) for the last op's results and what was packed since: shared
-        # with the handles autograd saves. Never older than one op, so it pins nothing.
+        # id -> (tensor, meta, group) for the tensors around the op being recorded (the last
+        # recorded op's results, and what was read or packed since), shared between nodes
+        # and the handles autograd saves. Reset at every recorded op: it pins nothing for long.
         self.recent: dict[int, tuple] = {}
         self.rng_last: dict = {}  # generator -> (index of its last random node, its state after)
         self.devices: dict = {}
