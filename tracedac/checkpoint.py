@@ -196,6 +196,7 @@ class Region:
         for slot in self.kept:
             if slot.changed:
                 graph.add_slot(slot)
+        kept_groups = {slot.meta.group for slot in self.kept}
         self.kept = []
         wanted = [(s.meta.group, s.meta.state) for s in graph.slots()]
         p = plan(graph, wanted)  # not kept: it would cost memory through the forward
@@ -221,6 +222,17 @@ class Region:
                     node.rng = (gen, None, follows)  # replaying ``follows`` first restores it
                 else:
                     node.rng = (gen, state, None)
+        if not self.report:
+            # Keep only the records replay can reach (the plan's storages, those of kept
+            # handles, and their nodes, for messages): the rest of the graph goes.
+            reachable = set(p.starts) | kept_groups
+            groups, nodes = graph.groups, graph.nodes
+            for gid in range(len(groups)):
+                if gid not in reachable:
+                    groups[gid] = None
+            for i in range(len(nodes)):
+                if i not in needed:
+                    nodes[i] = None  # a reachable group still holds its creator and writers
 
 
 def _describe(module_ref, arg_refs, t) -> str:

@@ -23,6 +23,8 @@ from .policies import decision
 __all__ = ["TracerMode", "current_module_path"]
 
 _Tensor = torch.Tensor
+# The StorageImpl's address, without making (and so having torch keep) a Python storage object.
+_address = getattr(torch._C, "_storage_address", None) or (lambda t: t.untyped_storage()._cdata)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
@@ -214,7 +216,7 @@ class TracerMode(TorchDispatchMode):
     def group_of(self, t: torch.Tensor) -> Group | None:
         """The group of ``t``'s storage, or None if no recorded op has touched it."""
         try:
-            return self.storages.get(t.untyped_storage()._cdata)
+            return self.storages.get(_address(t))
         except (RuntimeError, NotImplementedError):
             _check_replayable(t)
             raise
@@ -235,16 +237,19 @@ class TracerMode(TorchDispatchMode):
         self._pins.append(storage._weak_ref())
         return g
 
+    def _new_group(self, t: torch.Tensor) -> Group:
+        return self._group(t.untyped_storage(), t.device)
+
     def _meta(self, t: torch.Tensor) -> TensorMeta:
         recent = self.recent.get(id(t))
         if recent is not None and recent[0] is t and recent[1].state == len(recent[2].mutations):
             return recent[1]
         try:
-            storage = t.untyped_storage()
+            g = self.storages.get(_address(t))
         except (RuntimeError, NotImplementedError):
             _check_replayable(t)
             raise
-        return self._new_meta(t, self.storages.get(storage._cdata) or self.external(t, storage))
+        return self._new_meta(t, g or self.external(t))
 
     def meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
         """``t`` as it is now, in group ``g``.
@@ -287,7 +292,7 @@ class TracerMode(TorchDispatchMode):
             t = args[pos] if pos < len(args) else kwargs.get(name)
             if not isinstance(t, _Tensor):
                 continue
-            storage = t.untyped_storage()
+            storage = t.untyped_storage()  # (once per written tensor: the write check needs its size)
             g = self.storages[storage._cdata]
             if info.writes and g.creator is None and not g.mutations:
                 # The outside tensor's value before this write may be needed to replay what
@@ -339,17 +344,13 @@ class TracerMode(TorchDispatchMode):
 
         if isinstance(out, _Tensor):  # most ops: one tensor out
             flat = (out,)
-            storage = out.untyped_storage()
-            g = storages.get(storage._cdata)
-            created = () if g is not None else ((0, self._group(storage, out.device)),)
+            created = () if _address(out) in storages else ((0, self._new_group(out)),)
         else:
             flat = flatten_outputs(out)
             created = []
             for i, o in enumerate(flat):
-                if isinstance(o, _Tensor):
-                    storage = o.untyped_storage()
-                    if storage._cdata not in storages:
-                        created.append((i, self._group(storage, o.device)))
+                if isinstance(o, _Tensor) and _address(o) not in storages:
+                    created.append((i, self._new_group(o)))
         if not created and not written:
             return out  # a view or a read: nothing to replay, nothing to keep
 
