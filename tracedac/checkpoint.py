@@ -36,6 +36,7 @@ def _stack() -> list:
 
 
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+_UNUSED = (None,)
 
 
 def _unpack(handle):
@@ -106,13 +107,8 @@ class Region:
     def _pack(self, t: torch.Tensor):
         # Autograd saves an op's inputs before the op reaches the tracer: an input seen for
         # the first time has no group yet.
-        tracer = self.tracer
-        recent = tracer.recent.get(id(t))  # usually an argument or result of the op just recorded
-        if recent is not None and recent[0] is t and recent[1].state == len(recent[2].mutations):
-            meta, g = recent[1], recent[2]
-        else:
-            g = tracer.group_of(t) or tracer.external(t)
-            meta = tracer.meta(t, g)
+        meta = self.tracer._meta(t)  # usually cached: an argument or result of the op just recorded
+        g = self.graph.groups[meta.group]
         mutations = g.mutations
         if g.creator is None and not mutations:
             if t is not g.external or (self.parent is not None and self.parent.can_rebuild(t)):
@@ -184,13 +180,7 @@ class Region:
             live = g.held if g.held is not None else g.external
             if live is not None:
                 g.version = live._version
-        parent = self.parent
-        if parent is not None and parent.tracer is not None:
-            # An input of a nested region that the enclosing region computed: hold it as the
-            # enclosing region's handle, so it is replayed rather than pinned.
-            for g in graph.groups:
-                if g.external is not None and not g.mutations and parent.can_rebuild(g.external):
-                    g.outer, g.external = parent.pack(g.external), None
+        self._hand_inputs_to_parent()
         # What replay must be able to build: every handle not kept, and every kept one the
         # region itself modified after saving it.
         for slot in self.kept:
@@ -198,10 +188,24 @@ class Region:
                 graph.add_slot(slot)
         kept_groups = {slot.meta.group for slot in self.kept}
         self.kept = []
-        wanted = [(s.meta.group, s.meta.state) for s in graph.slots()]
-        p = plan(graph, wanted)  # not kept: it would cost memory through the forward
+        p = plan(graph, [(s.meta.group, s.meta.state) for s in graph.slots()])  # not kept: memory
+        self._release(p, kept_groups)
+
+    def _hand_inputs_to_parent(self) -> None:
+        """An input of a nested region that the enclosing region computed is held as the
+        enclosing region's handle, so it is replayed rather than pinned."""
+        parent = self.parent
+        if parent is None or parent.tracer is None:
+            return
+        for g in self.graph.groups:
+            if g.external is not None and not g.mutations and parent.can_rebuild(g.external):
+                g.outer, g.external = parent.pack(g.external), None
+
+    def _release(self, p, kept_groups: set) -> None:
+        """Drop every source, generator state and record the plan ``p`` does not use."""
+        graph = self.graph
         for g in graph.groups:
-            kind = p.starts.get(g.id, (None,))[0]
+            kind = p.starts.get(g.id, _UNUSED)[0]
             if kind != "external":
                 g.external = None
             if kind != "snapshot":
@@ -213,9 +217,9 @@ class Region:
         needed = set(p.nodes)
         for node in graph.nodes:
             if node.index not in needed:
-                if not self.report:  # reports show the whole graph
-                    node.forget_arguments()  # nothing will replay it: its metadata and generator state go
                 node.rng = None
+                if not self.report:  # reports show the whole graph
+                    node.forget_arguments()
             elif node.rng is not None:
                 gen, state, follows = node.rng
                 if follows in needed:

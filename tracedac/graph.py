@@ -36,10 +36,6 @@ class TensorMeta:
         self.offset = offset
 
     @property
-    def layout(self) -> tuple:
-        return self.dtype, self.size, self.stride, self.offset
-
-    @property
     def shape(self) -> torch.Size:
         return torch.Size(self.size)
 
@@ -168,11 +164,6 @@ class Group:
             self.mutations = [node]
 
     @property
-    def state(self) -> int:
-        """The state the storage is in now: how many recorded writes it has had."""
-        return len(self.mutations)
-
-    @property
     def node(self) -> Node | None:
         """The node that produced the current state (the last write, else the creator)."""
         return self.mutations[-1] if self.mutations else self.creator
@@ -218,7 +209,6 @@ class RegionGraph:
 
 def _shape_name(t) -> str:
     return f"a tensor of shape {list(t.shape)} ({t.dtype})"
-
 
 
 def human_bytes(n: int) -> str:

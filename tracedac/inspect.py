@@ -11,7 +11,7 @@ from torch import nn
 from .checkpoint import Region, reporting, run_region
 from .graph import RegionGraph, human_bytes
 from .policies import check_policy, describe_policy, recompute_all
-from .replay import Slot, plan
+from .replay import plan
 
 __all__ = ["SavedReport", "SavedRow", "print_saved", "saved_report"]
 
@@ -104,11 +104,11 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
             ", ".join(sorted(node.labels)) if node is not None else "", why,
         ))
 
-    replay = [h for h in region.handles if isinstance(h, Slot) and h.tensor is None]
+    replay = [h for h in region.handles if h.tensor is None]
     for h in region.handles:
-        if isinstance(h, Slot) and h.exact:
+        if h.exact:
             add(h.tensor, "input", None, f"{graph.namer(h.tensor)}: autograd saved it")
-        elif isinstance(h, Slot) and h.tensor is not None:
+        elif h.tensor is not None:
             g = graph.groups[h.meta.group]
             node = g.node
             add(h.tensor, "activation", node, f"{policy} -> {node.decision.name}")
