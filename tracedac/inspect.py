@@ -128,7 +128,9 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
             ))
     replayed = {}
     for h in replay:
-        replayed[h.meta.group] = graph.groups[h.meta.group].nbytes
+        g = graph.groups[h.meta.group]
+        if g.creator is not None or g.mutations:  # not a view of an input: that is no replay
+            replayed[g.id] = g.nbytes
     p = plan(graph, [(h.meta.group, h.meta.state) for h in replay]) if replay else None
     flops = sum(graph.nodes[i].flops for i in p.nodes) if p else 0
     return rows, sum(replayed.values()), flops, len(p.nodes) if p else 0
