@@ -30,6 +30,7 @@ __all__ = ["Slot", "plan", "run_pass"]
 
 _Tensor = torch.Tensor
 _NOT_STARTED = ("",)
+_SEQUENCES = (list, tuple)
 
 
 def _double_backward_error():
@@ -176,6 +177,15 @@ class Plan:
         )
 
 
+def _add_reads(work: list, values) -> None:
+    """Append the (group, state) of every TensorMeta in ``values`` (lists included)."""
+    for a in values:
+        if a.__class__ is TensorMeta:
+            work.append((a.group, a.state))
+        elif a.__class__ in _SEQUENCES:
+            work.extend([(m.group, m.state) for m in a if m.__class__ is TensorMeta])
+
+
 def plan(graph: RegionGraph, wanted) -> Plan:
     """What to run to produce every (group id, state) in ``wanted``."""
     groups, nodes = graph.groups, graph.nodes
@@ -196,7 +206,9 @@ def plan(graph: RegionGraph, wanted) -> Plan:
                     raise _kept_changed_error(graph, stale, stale.held._version, stale.version)
                 raise _Forgotten(node)
             chosen.add(node.index)
-            work.extend([(m.group, m.state) for m in node.tensor_args])
+            _add_reads(work, node.args)
+            if node.kwargs:
+                _add_reads(work, node.kwargs.values())
             if node.rng is not None and node.rng[1] is None:
                 to_run.append(nodes[node.rng[2]])  # its replay leaves the generator where this one starts
         if not work:
