@@ -241,6 +241,10 @@ class TracerMode(TorchDispatchMode):
         return self._group(t.untyped_storage(), t.device)
 
     def _meta(self, t: torch.Tensor) -> TensorMeta:
+        """``t`` as it is now. Autograd saves the arguments or results of the op being
+        recorded, so the metas of the tensors around the current op are cached and shared
+        between its node and those handles (a tensor keeps its storage and geometry between
+        ops unless an op rebinds it, and such an op clears the cache)."""
         recent = self.recent.get(id(t))
         if recent is not None and recent[0] is t and recent[1].state == len(recent[2].mutations):
             return recent[1]
@@ -250,19 +254,6 @@ class TracerMode(TorchDispatchMode):
             _check_replayable(t)
             raise
         return self._new_meta(t, g or self.external(t))
-
-    def meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
-        """``t`` as it is now, in group ``g``.
-
-        Autograd saves the arguments or results of the op being recorded: the metas of the
-        tensors around the current op are shared between its node and those handles (a
-        tensor keeps its storage and geometry between ops unless an op rebinds it, and
-        such an op clears ``recent``).
-        """
-        recent = self.recent.get(id(t))
-        if recent is not None and recent[0] is t and recent[2] is g and recent[1].state == len(g.mutations):
-            return recent[1]
-        return self._new_meta(t, g)
 
     def _new_meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
         size, stride = t.size(), t.stride()
