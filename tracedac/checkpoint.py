@@ -109,8 +109,7 @@ class Region:
         # the first time has no group yet.
         meta = self.tracer._meta(t)  # usually cached: an argument or result of the op just recorded
         g = self.graph.groups[meta.group]
-        mutations = g.mutations
-        if g.creator is None and not mutations:
+        if g.creator is None and not g.mutations:
             if t is not g.external or (self.parent is not None and self.parent.can_rebuild(t)):
                 # A view made in the region of an input (an expert's slice of a weight) is
                 # rebuilt from the input's storage rather than pinned with its autograd node;
@@ -119,7 +118,7 @@ class Region:
             # An input as it came in: kept as eager keeps it. If the region writes it later,
             # region exit plans its replay from the copy taken before the write.
             slot = Slot(self.graph, meta, t, exact=True)
-        elif (mutations[-1] if mutations else g.creator).decision in _SAVE:
+        elif g.node.decision in _SAVE:
             # detached: the saved output's grad_fn holds this handle; no reference cycle
             slot = Slot(self.graph, meta, self.alias(g, t))
         else:

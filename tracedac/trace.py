@@ -14,11 +14,9 @@ import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy
 
 from .errors import CheckpointError
 from .graph import Group, Node, RegionGraph, TensorMeta, flatten_outputs
-from .policies import decision
 
 __all__ = ["TracerMode", "current_module_path"]
 
@@ -40,7 +38,6 @@ class _OpInfo:
 _INFO: dict = {}
 _NO_KWARGS: dict = {}  # shared by every node without keyword arguments: never written
 _SEQUENCES = (list, tuple)
-MUST_SAVE, PREFER_SAVE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE
 _FIRST = (0,)  # the ``creates`` of nearly every node: one shared tuple
 
 
@@ -221,12 +218,10 @@ class TracerMode(TorchDispatchMode):
             _check_replayable(t)
             raise
 
-    def external(self, t: torch.Tensor, storage=None) -> Group:
+    def external(self, t: torch.Tensor) -> Group:
         """A new group for a storage from outside the region, which ``t`` lives on."""
         _check_replayable(t)
-        if storage is None:
-            storage = t.untyped_storage()
-        g = self._group(storage, t.device)
+        g = self._new_group(t)
         g.external = t
         return g
 
@@ -312,9 +307,7 @@ class TracerMode(TorchDispatchMode):
         # Arguments first: this registers outside storages before the outputs are looked at
         # (so a view of an input is not taken for a new storage), and records what a writing
         # op read before it writes. Most arguments are the last op's results: cached metas.
-        meta = self._meta
-        margs = tuple([meta(a) if isinstance(a, _Tensor) else (self._map(a) if a.__class__ in _SEQUENCES else a)
-                       for a in args])
+        margs = tuple([self._arg(a) for a in args])
         mkwargs = {k: self._arg(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
         written = self._writes(info, args, kwargs) if info.writes or info.rebinds else ()
         rng = self._random(args, kwargs) if info.seeded else None
@@ -361,13 +354,11 @@ class TracerMode(TorchDispatchMode):
         if len(flat) == 1 and created:
             node.outputs = (self._new_meta(out, created[0][1]),)  # its group is the one just made
         else:
-            node.outputs = tuple([meta(o) if isinstance(o, _Tensor) else None for o in flat])
+            node.outputs = tuple([self._meta(o) if isinstance(o, _Tensor) else None for o in flat])
         graph.nodes.append(node)
         if rng is not None:
             self.rng_last[rng[0]] = (node.index, rng[0].get_state())
-        d = region.constant or decision(region.policy, node)
-        node.decision = d
-        if d is MUST_SAVE or d is PREFER_SAVE:
+        if region.decide(node):
             # Held as the program's own tensors for now: a detach() down here, below autograd,
             # would not share their version counter (the region makes proper aliases later).
             for i, g in created:
