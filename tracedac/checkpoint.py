@@ -19,6 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .errors import CheckpointError
 from .graph import RegionGraph
+from .planners import Planning, input_signature, planner_of
 from .policies import check_policy, decision, is_save, recompute_all
 from .replay import Slot, plan
 from .trace import TracerMode, track_modules
@@ -46,7 +47,8 @@ def _unpack(handle):
 class Region:
     """One call of a checkpointed callable: records it, packs what autograd saves, plans replay."""
 
-    def __init__(self, policy, name: str, *, module=None, module_names=None, report=False, args=(), kwargs=None):
+    def __init__(self, policy, name: str, *, module=None, module_names=None, report=False, args=(), kwargs=None,
+                 code=None):
         self.policy = policy
         self.constant = getattr(policy, "constant", None)  # a policy that never looks at the node
         self.graph = RegionGraph(name, policy)
@@ -65,6 +67,14 @@ class Region:
         self.arg_refs = [(f"argument {i}", weakref.ref(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         if kwargs:
             self.arg_refs += [(f"argument {k!r}", weakref.ref(a)) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+        # A whole-graph planner decides from a plan cached for this code and these inputs
+        # (checked against the structure as it records), or plans when the region ends.
+        planner = planner_of(policy)
+        self.planning = None
+        self.timing = False
+        if planner is not None:
+            self.planning = Planning(planner, None if self.report else _plan_key(policy, code, args, kwargs))
+            self.timing = getattr(planner, "cost", None) == "time"
         # module paths cost two hooks per module call: only for policies and reports that read them
         self.tracks_modules = self.report or self.constant is None
         self.tracer = TracerMode(self.graph, self)
@@ -79,7 +89,10 @@ class Region:
 
     # -- recording --
     def decide(self, node) -> bool:
+        """Decide ``node`` (``node.decision``); whether to hold its result until the region ends."""
         d = self.constant or decision(self.policy, node)
+        if self.planning is not None:
+            return self.planning.decide(node, d)
         node.decision = d
         return is_save(d)
 
@@ -121,6 +134,8 @@ class Region:
         elif g.node.decision in _SAVE:
             # detached: the saved output's grad_fn holds this handle; no reference cycle
             slot = Slot(self.graph, meta, self.alias(g, t))
+            if g.held is None:
+                g.held = slot.tensor  # replay of what reads it starts from it
         else:
             return Slot(self.graph, meta)
         self.kept.append(slot)
@@ -173,6 +188,8 @@ class Region:
             if g.held is t:
                 self.alias(g, t)
         self.raw_held = []
+        if self.planning is not None:
+            self.planning.finish(self)  # decide what was left undecided, let go of the rest
         module = weakref.ref(self.module) if self.module is not None else None
         graph.namer = functools.partial(_describe, module, self.arg_refs)
         for g in graph.groups:
@@ -268,6 +285,17 @@ class reporting:
         return False
 
 
+def _plan_key(policy, code, args, kwargs):
+    """What a cached plan is looked up by (None: not cacheable). The structure recorded is
+    checked against the plan node by node, so this only has to find the right candidate."""
+    key = (policy, code, input_signature(args, kwargs))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def current_region() -> Region | None:
     stack = getattr(_local, "regions", None)
     return stack[-1] if stack else None
@@ -277,7 +305,9 @@ def run_region(fn, args, kwargs, policy, name, *, module=None, module_names=None
     """Call ``fn`` once inside a region (or plainly when no gradient is being recorded)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    with Region(policy, name, module=module, module_names=module_names, report=report, args=args, kwargs=kwargs):
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None) or fn
+    with Region(policy, name, module=module, module_names=module_names, report=report, args=args, kwargs=kwargs,
+                code=code):
         return fn(*args, **kwargs)
 
 
@@ -300,7 +330,7 @@ class _ModuleHooks:
         if self.names is None:
             prefix = f"{self.name}." if self.qualified else ""
             self.names = {id(m): (prefix + n) if n else self.name for n, m in module.named_modules()}
-        region = Region(self.policy, self.name, module=module, module_names=self.names, args=args)
+        region = Region(self.policy, self.name, module=module, module_names=self.names, args=args, code=type(module))
         region.owner = module
         region.__enter__()
         return None

@@ -7,7 +7,9 @@ key a cache. A node is a ``tracedac.graph.Node``: ``op``, ``outputs`` (shape, dt
 nbytes), ``nbytes``, ``labels``, ``module_path``, ``flops``, ``is_random``.
 
 Decisions are made once per node when the region records it, never per tensor later. Only
-nodes that allocate or write a storage are asked: views cost nothing to rebuild.
+nodes that allocate or write a storage are asked: views cost nothing to rebuild. The two
+planners, ``memory_budget`` and ``min_cut``, decide for the region's whole graph instead
+(``tracedac.planners``); ``either`` combines one of them with per-op policies.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .errors import CheckpointError
+from .planners import MemoryBudget, MinCut, Planner
 
 __all__ = [
     "CheckpointPolicy",
     "MATMUL_OPS",
     "either",
+    "memory_budget",
+    "min_cut",
     "recompute_all",
     "save_all",
     "save_matmuls",
@@ -118,6 +123,11 @@ class Either:
 
     policies: tuple
 
+    @property
+    def planner(self):
+        """The whole-graph planner among the policies (bound by the others' MUSTs), or None."""
+        return next((p for p in self.policies if isinstance(p, Planner)), None)
+
     def __call__(self, node) -> CheckpointPolicy:
         decisions = [decision(p, node) for p in self.policies]
         musts = {d for d in decisions if d in (MUST_SAVE, MUST_RECOMPUTE)}
@@ -188,7 +198,47 @@ def either(*policies) -> Either:
     for p in policies:
         check_policy(p)
         flat.extend(p.policies if isinstance(p, Either) else (p,))
+    planners = [p for p in flat if isinstance(p, Planner)]
+    if len(planners) > 1:
+        raise ValueError(
+            f"either() got {len(planners)} whole-graph planners ({', '.join(map(repr, planners))}); a "
+            "region is planned by one. Keep one planner and combine it with per-op policies."
+        )
     return Either(tuple(flat))
+
+
+def memory_budget(budget, *, cost="flops") -> MemoryBudget:
+    """Keep at most ``budget`` and replay as little as possible (an exact 0-1 knapsack).
+
+    ``budget`` is a float fraction in [0, 1] of the bytes the region would keep without
+    checkpointing (the tensors it computes that autograd saves; inputs are not counted: they
+    are alive anyway), or an int number of bytes. ``cost`` prices replaying a node:
+    ``"flops"`` (torch's FLOP formulas; ops without one by the bytes they move), ``"time"``
+    (each op's duration, measured while the region records), or a callable ``cost(node)``.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"memory_budget() takes a fraction (float in [0, 1]) or a number of bytes (int), got {budget!r}")
+    if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
+        hint = f" For {budget:.0f} bytes, pass an int: memory_budget({int(budget)})." if budget > 1 else ""
+        raise ValueError(f"memory_budget({budget!r}): a float budget is a fraction in [0, 1] of the bytes kept without "
+                         f"checkpointing.{hint}")
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(f"memory_budget({budget}): a number of bytes cannot be negative")
+    if isinstance(budget, int) and budget == 1:
+        raise ValueError("memory_budget(1) is ambiguous: an int budget is bytes (1 byte), a float a fraction. Pass "
+                         "1.0 to keep everything, or a number of bytes.")
+    if not (cost in ("flops", "time") or callable(cost)):
+        raise ValueError(f"memory_budget(cost={cost!r}): cost is 'flops', 'time' or a callable cost(node) -> number")
+    return MemoryBudget(budget, cost)
+
+
+def min_cut(*, replay_matmuls: bool = False) -> MinCut:
+    """Keep the fewest bytes from which everything backward needs can be replayed (a minimum
+    cut of the recorded graph, bytes as capacities). Matmuls and attention are not replayed
+    unless ``replay_matmuls=True``: then nothing computed need be kept at all."""
+    if not isinstance(replay_matmuls, bool):
+        raise TypeError(f"min_cut(replay_matmuls=...) takes a bool, got {replay_matmuls!r}")
+    return MinCut(replay_matmuls)
 
 
 def check_policy(policy) -> None:
@@ -202,7 +252,7 @@ def check_policy(policy) -> None:
 
 def describe_policy(policy) -> str:
     """How a person wrote the policy: ``save_matmuls()``, or a function's name."""
-    if isinstance(policy, (RecomputeAll, SaveAll, SaveOps, SaveNames, Either)):
+    if isinstance(policy, (RecomputeAll, SaveAll, SaveOps, SaveNames, Either, Planner)):
         return repr(policy)
     return getattr(policy, "__qualname__", None) or repr(policy)
 

@@ -62,6 +62,12 @@ class Slot:
         if tensor is None:
             graph.add_slot(self)  # kept handles join a pass only when they change
 
+    def release(self) -> None:
+        """Stop holding the tensor: from now on the value is rebuilt (a planner dropped it)."""
+        self.tensor = None
+        self.version = -1
+        self.graph.add_slot(self)
+
     @property
     def changed(self) -> bool:
         """Kept, but modified in place since it was saved."""

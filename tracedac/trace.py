@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -163,6 +164,18 @@ def _check_replayable(t: torch.Tensor) -> None:
         )
 
 
+def _timed(func, args, kwargs) -> tuple:
+    """Run the op; (its result, nanoseconds it took), waiting for CUDA's queue both sides."""
+    sync = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if sync:
+        torch.cuda.synchronize()
+    start = time.perf_counter_ns()
+    out = func._op(*args, **kwargs)
+    if sync:
+        torch.cuda.synchronize()
+    return out, time.perf_counter_ns() - start
+
+
 # --- the mode ------------------------------------------------------------------------------
 
 
@@ -198,6 +211,7 @@ class TracerMode(TorchDispatchMode):
         self.rng_last: dict = {}  # generator -> (index of its last random node, its state after)
         self.devices: dict = {}
         self.sources = region.report
+        self.timing = getattr(region, "timing", False)  # cost="time" planners: each op's duration
 
     def close(self) -> None:
         """Release the pinned storage addresses (the region has ended)."""
@@ -312,7 +326,11 @@ class TracerMode(TorchDispatchMode):
         written = self._writes(info, args, kwargs) if info.writes or info.rebinds else ()
         rng = self._random(args, kwargs) if info.seeded else None
 
-        out = func._op(*args, **kwargs)  # what OpOverload.__call__ does, one Python frame less
+        if self.timing:
+            elapsed = _timed(func, args, kwargs)
+            out = elapsed[0]
+        else:
+            out = func._op(*args, **kwargs)  # what OpOverload.__call__ does, one Python frame less
 
         for t, g, cdata, nbytes in written:
             storage = t.untyped_storage()
@@ -356,6 +374,8 @@ class TracerMode(TorchDispatchMode):
         else:
             node.outputs = tuple([self._meta(o) if isinstance(o, _Tensor) else None for o in flat])
         graph.nodes.append(node)
+        if self.timing:
+            node.time_ns = elapsed[1]
         if rng is not None:
             self.rng_last[rng[0]] = (node.index, rng[0].get_state())
         if region.decide(node):

@@ -1,0 +1,494 @@
+"""Whole-graph planners: what a region keeps, chosen for its recorded graph as a whole.
+
+A per-op policy answers for one node at a time. A planner answers once the region's graph is
+complete, for all of it:
+
+- ``memory_budget(budget)`` keeps, within a byte budget, the results whose replay would cost
+  the most: an exact 0-1 knapsack (``knapsack``), solved by dynamic programming.
+- ``min_cut()`` keeps the fewest bytes from which everything backward needs can be replayed
+  without replaying a matmul: a minimum s-t cut of the value graph (``min_cut_keep``),
+  solved with networkx.
+
+The *items* are the storages the region computed that autograd saved, in the state it saved
+them (their final state: a kept storage holds its last value). Keeping one costs its bytes.
+Both planners honour the MUST decisions of the policy they are combined with
+(``either(save_names("x"), memory_budget(0.3))``).
+
+A plan is made when a region's graph is first recorded and cached by the graph's structure
+(each node's op, output shapes and dtypes, and which values it read): on later calls the
+region decides each node as it records it (``PlanCache``), so it never holds more than the
+plan keeps. A structure that differs from the cached one (a new shape) is planned again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .errors import CheckpointError
+from .graph import Node, RegionGraph, TensorMeta, human_bytes
+
+__all__ = [
+    "MemoryBudget", "MinCut", "Planner", "closure", "costs", "knapsack", "min_cut_keep", "node_cost",
+]
+
+MUST_SAVE = CheckpointPolicy.MUST_SAVE
+PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
+MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
+PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+# The dynamic program's table has at most this many capacity cells; beyond it, bytes are
+# counted in coarser units (see ``knapsack``). Plans are cached, so this runs once per structure.
+MAX_CELLS = 1 << 16
+
+
+# --- what replay costs --------------------------------------------------------------------
+
+
+def _bytes_moved(node: Node) -> int:
+    return sum(m.nbytes for m in node.tensor_args) + sum(o.nbytes for o in node.outputs if o is not None)
+
+
+def node_cost(node: Node, cost: str | Callable = "flops") -> int:
+    """What replaying ``node`` once costs.
+
+    ``"flops"``: FLOPs by torch's formulas (``torch.utils.flop_counter``); an op without a
+    formula (pointwise, reductions, copies: memory-bound) costs the bytes it reads and
+    writes, one byte for one FLOP. ``"time"``: the nanoseconds the op took when it was
+    recorded (``memory_budget(..., cost="time")`` makes the region time every op).
+    A callable ``cost(node) -> number`` is used as it is.
+    """
+    if cost == "flops":
+        return node.flops or _bytes_moved(node)
+    if cost == "time":
+        t = node.time_ns
+        if t is None:
+            raise CheckpointError(
+                f"cost='time' needs the recorded duration of {node.name}, and this graph was "
+                "recorded without timing; pass the policy memory_budget(..., cost='time') to the "
+                "region itself, so it times ops while it records."
+            )
+        return t
+    return cost(node)
+
+
+def closure(graph: RegionGraph, wanted, kept) -> list[int]:
+    """Indices of the nodes replay runs to rebuild ``wanted`` ((group, state) pairs) when the
+    groups in ``kept`` are held in their final state. Outside storages are free: the final
+    state is the tensor itself, an earlier one is rebuilt from the copy taken before the
+    region first wrote it. Mirrors ``replay.plan``, on a hypothetical choice."""
+    groups = graph.groups
+    needs: dict[int, set] = {}
+    chosen: set[int] = set()
+    work = list(wanted)
+    while work:
+        gid, state = work.pop()
+        states = needs.setdefault(gid, set())
+        if state in states:
+            continue
+        states.add(state)
+        g = groups[gid]
+        final = len(g.mutations)
+        lowest, highest = min(states), max(states)
+        if lowest == final and (gid in kept or g.creator is None):
+            continue  # held, or an outside tensor as it is
+        run = list(g.mutations[:highest])
+        if g.creator is not None:
+            run.append(g.creator)
+        for node in run:
+            if node.index not in chosen:
+                chosen.add(node.index)
+                work.extend((m.group, m.state) for m in node.tensor_args)
+    return sorted(chosen)
+
+
+def costs(graph: RegionGraph, items: list[int], cost="flops") -> list[tuple[int, int]]:
+    """(cost, ops) of replaying each item's storage when every other item is kept.
+
+    These costs add up exactly over any choice, except that a node no item keeps and that
+    two replayed items both read is counted for each: the model is then an upper bound of
+    what replay runs, never below it."""
+    memo: dict[int, int] = {}
+    out = []
+    final = {gid: len(graph.groups[gid].mutations) for gid in items}
+    others = set(items)
+    for gid in items:
+        others.discard(gid)
+        run = closure(graph, [(gid, final[gid])], others)
+        others.add(gid)
+        total = 0
+        for i in run:
+            c = memo.get(i)
+            if c is None:
+                c = memo[i] = int(node_cost(graph.nodes[i], cost))
+            total += c
+        out.append((total, len(run)))
+    return out
+
+
+# --- the knapsack -------------------------------------------------------------------------
+
+
+def knapsack(weights: list[int], values: list[int], capacity: int) -> tuple[list[int], int]:
+    """Indices of a subset of maximal total value whose total weight is at most ``capacity``,
+    and among those one of least weight; also the unit ``q`` weights were counted in.
+
+    Dynamic programming over capacities counted in units of ``q`` bytes. Each weight is
+    rounded *up* to whole units (``ceil(w / q)``) and the capacity *down``
+    (``floor(capacity / q)``), so for any subset the DP accepts,
+    ``sum(w) <= q * sum(ceil(w / q)) <= q * floor(capacity / q) <= capacity``: the budget holds
+    after quantizing, always. ``q`` is the greatest common divisor of the weights (tensor
+    sizes share large powers of two), where rounding changes nothing: the solution is then
+    exactly optimal. Only when that leaves more than ``MAX_CELLS`` cells is ``q`` made
+    coarser; the answer is then optimal among subsets that fit within
+    ``capacity - q * (len(weights) + 1)``, and still never above ``capacity``.
+    """
+    n = len(weights)
+    if n == 0 or capacity <= 0:
+        return [], 1
+    if any(w <= 0 for w in weights):
+        # free items are always worth keeping
+        free = [i for i, w in enumerate(weights) if w <= 0]
+        rest = [i for i, w in enumerate(weights) if w > 0]
+        chosen, q = knapsack([weights[i] for i in rest], [values[i] for i in rest], capacity)
+        return sorted(free + [rest[i] for i in chosen]), q
+    q = 0
+    for w in weights:
+        q = math.gcd(q, w)
+    if capacity // q > MAX_CELLS:
+        q = max(q, -(-capacity // MAX_CELLS))
+    cells = capacity // q
+    units = [-(-w // q) for w in weights]
+    best = torch.zeros(cells + 1, dtype=torch.int64)  # best[c]: most value within c units
+    take = torch.zeros((n, cells + 1), dtype=torch.bool)
+    for i, (u, v) in enumerate(zip(units, values)):
+        if u > cells:
+            continue
+        candidate = best[: cells + 1 - u] + v  # a new tensor: the update below reads the old row
+        better = candidate > best[u:]
+        take[i, u:] = better
+        best[u:] = torch.where(better, candidate, best[u:])
+    top = best[cells]
+    c = int(torch.nonzero(best == top)[0])  # the least capacity reaching the best value
+    chosen = []
+    for i in range(n - 1, -1, -1):
+        if take[i, c]:
+            chosen.append(i)
+            c -= units[i]
+    return sorted(chosen), q
+
+
+def _values(item_costs: list[tuple[int, int]]) -> list[int]:
+    """One integer per item ordering by cost, then by ops (ties go to fewer replayed ops)."""
+    ops_scale = sum(o for _, o in item_costs) + 1
+    top = sum(c for c, _ in item_costs) * ops_scale + ops_scale
+    shrink = 1
+    while top // shrink >= 1 << 62:  # keep the table in int64; only astronomically large costs
+        shrink *= 2
+    return [(c // shrink) * ops_scale + o for c, o in item_costs]
+
+
+# --- the minimum cut ----------------------------------------------------------------------
+
+
+def _banned_ops() -> frozenset:
+    from .policies import MATMUL_OPS
+
+    return frozenset(MATMUL_OPS)
+
+
+def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=None, keepable=None):
+    """The storages to keep (group ids), the cut's value in bytes, and the flow network.
+
+    The network has two vertices per value (storage, state): ``in`` and ``out``. Keeping a
+    value is the edge ``in -> out``, of capacity its bytes; only a storage's final state can
+    be kept, so earlier states' edges are infinite. A node's inputs feed its outputs' ``in``
+    with infinite capacity, so a replayed value (``in`` on the sink side) needs every input
+    available (``out`` on the sink side). Outside values are free: source to ``in`` infinite,
+    ``in -> out`` zero. What backward needs goes to the sink. A matmul (not replayed unless
+    ``replay_matmuls``) is fed from the source with a capacity larger than all bytes
+    together, so it is replayed only where nothing else works. ``decisions`` maps node
+    indices to MUST decisions to honour; ``keepable`` (group ids), if given, limits what may be
+    kept (a result already let go cannot be). Of the minimum cuts, the one closest to the sink
+    is taken: the fewest values replayed.
+    """
+    import networkx as nx
+
+    decisions = decisions or {}
+    groups, nodes = graph.groups, graph.nodes
+    banned = () if replay_matmuls else _banned_ops()
+    big = 1 + sum(g.nbytes for g in groups if g is not None)
+    G = nx.DiGraph()
+    src, sink = "source", "sink"
+
+    def produced(node):
+        vals = [(node.outputs[k].group, 0) for k in node.creates]
+        for gid in node.writes:
+            g = groups[gid]
+            vals.append((gid, g.mutations.index(node) + 1))
+        return vals
+
+    for g in groups:
+        final = len(g.mutations)
+        for s in range(final + 1):
+            a, b = ("in", g.id, s), ("out", g.id, s)
+            if g.creator is None and s in (0, final):
+                G.add_edge(src, a)  # infinite: no capacity attribute
+                G.add_edge(a, b, capacity=0)
+            elif s == final and (keepable is None or g.id in keepable):
+                G.add_edge(a, b, capacity=g.nbytes)
+            else:
+                G.add_edge(a, b)
+    for node in nodes:
+        d = decisions.get(node.index)
+        packet = getattr(node.op, "overloadpacket", None)
+        for gid, s in produced(node):
+            a = ("in", gid, s)
+            for m in node.tensor_args:
+                G.add_edge(("out", m.group, m.state), a)
+            final = s == len(groups[gid].mutations)
+            if d is MUST_SAVE and final:
+                G.add_edge(src, a)
+                G.add_edge(("out", gid, s), sink)
+            elif d is MUST_RECOMPUTE:
+                G[a][("out", gid, s)].pop("capacity", None)  # cannot be kept
+            elif packet in banned or node.op in banned:
+                G.add_edge(src, a, capacity=big)
+    for gid, s in wanted:
+        G.add_edge(("out", gid, s), sink)
+    R = nx.algorithms.flow.preflow_push(G, src, sink)
+    value = R.graph["flow_value"]
+    # The sink side: what can still reach the sink in the residual network.
+    sink_side = {sink}
+    stack = [sink]
+    while stack:
+        v = stack.pop()
+        for u in R.predecessors(v):
+            if u not in sink_side and R[u][v]["capacity"] - R[u][v]["flow"] > 0:
+                sink_side.add(u)
+                stack.append(u)
+    keep = []
+    for g in groups:
+        s = len(g.mutations)
+        if g.creator is not None and ("in", g.id, s) not in sink_side and ("out", g.id, s) in sink_side:
+            keep.append(g.id)
+    return keep, value, G
+
+
+# --- planner objects ----------------------------------------------------------------------
+
+
+class Planner:
+    """A policy that decides for the whole recorded graph. As a per-node policy it has no
+    opinion (``PREFER_RECOMPUTE``), so ``either`` combines it with per-op policies: their MUST
+    decisions bind the planner, their PREFERs it overrides."""
+
+    holds_unsaved = False  # whether it may keep storages autograd did not save
+
+    def __call__(self, node) -> CheckpointPolicy:
+        return PREFER_RECOMPUTE
+
+    def choose(self, graph, items, wanted, forced_in, forced_out, full, decisions, live) -> set[int]:
+        """The group ids to keep: ``items`` are the storages autograd saved in their final
+        state, ``wanted`` every (group, state) backward needs, ``forced_in``/``forced_out``
+        what MUST decisions (or a result already let go) settle, ``full`` the bytes kept
+        without checkpointing, ``decisions`` the MUST decisions by node, ``live`` the
+        storages that can still be kept."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class MemoryBudget(Planner):
+    """Keep at most ``budget`` (a fraction of the bytes the region would keep without
+    checkpointing, or an int of bytes), replaying as little as possible."""
+
+    budget: float | int
+    cost: str | Callable = "flops"
+
+    def bytes_for(self, full: int) -> int:
+        if isinstance(self.budget, float):
+            return int(self.budget * full)  # rounded down: never above the fraction
+        return self.budget
+
+    def choose(self, graph, items, wanted, forced_in, forced_out, full, decisions, live) -> set[int]:
+        limit = self.bytes_for(full)
+        groups = graph.groups
+        forced_bytes = sum(groups[g].nbytes for g in forced_in)
+        if forced_bytes > limit:
+            names = ", ".join(sorted({groups[g].node.name for g in forced_in}))
+            raise CheckpointError(
+                f"region {graph.name!r}: the policy must keep {human_bytes(forced_bytes)} (MUST_SAVE "
+                f"results of {names}), more than {self!r} allows ({human_bytes(limit)} of "
+                f"{human_bytes(full)}). Raise the budget, or make those decisions PREFER_SAVE so "
+                "the budget may drop them."
+            )
+        free = [g for g in items if g not in forced_in and g not in forced_out]
+        item_costs = costs(graph, items, self.cost)
+        by_group = dict(zip(items, item_costs))
+        chosen, _ = knapsack([groups[g].nbytes for g in free], _values([by_group[g] for g in free]),
+                             limit - forced_bytes)
+        return {free[i] for i in chosen} | set(forced_in)
+
+    def __repr__(self) -> str:
+        extra = "" if self.cost == "flops" else f", cost={self.cost!r}"
+        return f"memory_budget({self.budget!r}{extra})"
+
+
+@dataclass(frozen=True)
+class MinCut(Planner):
+    """Keep the fewest bytes from which everything backward needs replays, matmuls not replayed."""
+
+    replay_matmuls: bool = False
+    holds_unsaved = True
+
+    def choose(self, graph, items, wanted, forced_in, forced_out, full, decisions, live) -> set[int]:
+        keep, _, _ = min_cut_keep(graph, wanted, replay_matmuls=self.replay_matmuls, decisions=decisions,
+                                  keepable=live)
+        return set(keep)
+
+    def __repr__(self) -> str:
+        return "min_cut(replay_matmuls=True)" if self.replay_matmuls else "min_cut()"
+
+
+def planner_of(policy):
+    """The planner in ``policy`` (itself, or one inside ``either``), or None."""
+    if isinstance(policy, Planner):
+        return policy
+    return getattr(policy, "planner", None)
+
+
+# --- the plan cache -----------------------------------------------------------------------
+
+
+def signature(node: Node) -> tuple:
+    """What a cached plan must agree on for this node: op, outputs and the values it read."""
+    return (node.op, tuple(None if o is None else (o.size, o.dtype) for o in node.outputs),
+            tuple((m.group, m.state) for m in node.tensor_args), node.writes)
+
+
+class PlanCache:
+    """Plans by (policy, code, inputs), each checked node by node against the structure
+    recorded; least recently used first out."""
+
+    def __init__(self, size: int = 256):
+        self.size = size
+        self.entries: OrderedDict = OrderedDict()
+        self.made = 0  # plans computed (not found), for tests and reports
+
+    def get(self, key):
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def put(self, key, signatures: tuple, keep: frozenset) -> None:
+        self.entries[key] = (signatures, keep)
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+plans = PlanCache()
+
+
+def input_signature(args, kwargs) -> tuple:
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return (a.shape, a.dtype, a.device, a.requires_grad)
+        if isinstance(a, (list, tuple)):
+            return tuple(one(x) for x in a)
+        return type(a)
+
+    return (tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted((kwargs or {}).items())),
+            torch.is_autocast_enabled())
+
+
+class Planning:
+    """A region's side of planning: decides nodes from a cached plan while recording, and
+    plans at the region's end when there was none (or the structure changed)."""
+
+    def __init__(self, planner: Planner, key):
+        self.planner = planner
+        self.name = repr(planner)
+        self.key = key
+        entry = plans.get(key) if key is not None else None
+        self.cached = entry  # (signatures, keep) while the recording agrees with it
+        self.signatures: dict[int, tuple] = {}
+        self.undecided: set[int] = set()
+        self.planned_now = False
+
+    def decide(self, node: Node, d: CheckpointPolicy) -> bool:
+        """Decide ``node`` (whose policy said ``d``); whether to hold its result now."""
+        sig = signature(node)
+        self.signatures[node.index] = sig
+        if d is MUST_SAVE or d is MUST_RECOMPUTE:
+            node.decision = d
+            return d is MUST_SAVE
+        cached = self.cached
+        if cached is not None:
+            sigs, keep = cached
+            if node.index < len(sigs) and sigs[node.index] == sig:
+                if node.index in keep:
+                    node.decision, node.planner = PREFER_SAVE, self.name
+                    return self.planner.holds_unsaved
+                node.decision = PREFER_RECOMPUTE
+                return False
+            self.cached = None  # a different structure: plan again at the end
+        node.decision = PREFER_SAVE  # for now: the region's end decides
+        self.undecided.add(node.index)
+        return self.planner.holds_unsaved
+
+    def finish(self, region) -> None:
+        """Make the plan if none applied, then release what it does not keep."""
+        graph = region.graph
+        if self.cached is not None and not self.undecided and len(self.cached[0]) == len(graph.nodes):
+            return  # decided while recording
+        self.planned_now = True
+        plans.made += 1
+        groups = graph.groups
+        kept_slots = [s for s in region.kept if not s.exact]
+        wanted = {(s.meta.group, s.meta.state) for s in graph.slots()}
+        wanted |= {(s.meta.group, s.meta.state) for s in kept_slots}
+        wanted = {(gid, st) for gid, st in wanted if groups[gid].creator is not None}
+        items = sorted({gid for gid, st in wanted if st == len(groups[gid].mutations)})
+        full = sum(groups[gid].nbytes for gid in {gid for gid, _ in wanted})
+        live = {s.meta.group for s in kept_slots} | {g.id for g in groups if g.held is not None}
+        decisions = {n.index: n.decision for n in graph.nodes if n.decision in (MUST_SAVE, MUST_RECOMPUTE)}
+        forced_in = [g for g in items if groups[g].node.decision is MUST_SAVE]
+        forced_in += [g.id for g in groups if g.held is not None and g.node is not None
+                      and g.node.decision is MUST_SAVE and g.id not in items]
+        forced_out = {g for g in items if g not in live or groups[g].node.decision is MUST_RECOMPUTE}
+        keep = self.planner.choose(graph, items, wanted, forced_in, forced_out, full, decisions, live)
+        keep = {g for g in keep if g in live}
+        graph.full_bytes = full  # what "without checkpointing" would keep, for reports
+        # Apply: the chosen storages stay; everything else held for the plan is let go.
+        for g in groups:
+            node = g.node
+            if node is None or node.decision in (MUST_SAVE, MUST_RECOMPUTE):
+                continue
+            if g.id in keep:
+                node.decision, node.planner = PREFER_SAVE, self.name
+            else:
+                node.decision, node.planner = PREFER_RECOMPUTE, None
+                g.held = None
+        for n in graph.nodes:
+            if n.index in self.undecided and n.decision is PREFER_SAVE and n.planner is None:
+                n.decision = PREFER_RECOMPUTE  # results of other nodes than a storage's last
+        still = []
+        for s in region.kept:
+            if s.exact or groups[s.meta.group].node.decision in (MUST_SAVE, PREFER_SAVE):
+                still.append(s)
+            else:
+                s.release()  # autograd's handle now rebuilds its value
+        region.kept = still
+        if self.key is not None:
+            sigs = tuple(self.signatures[i] for i in range(len(graph.nodes)))
+            plans.put(self.key, sigs, frozenset(g.node.index for g in groups if g.id in keep))
