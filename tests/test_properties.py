@@ -93,6 +93,12 @@ def random_policy(draw_policy, seed):
         return policies.save_ops(aten.sin, aten.mul.Tensor, aten.relu_)
     if draw_policy == 4:
         return policies.either(policies.save_names("t1", "t3", "t4"), policies.save_matmuls())
+    if draw_policy == 6:  # whole-graph planners; plans cached across examples are checked node by node
+        return policies.memory_budget((seed % 11) / 10)
+    if draw_policy == 7:
+        return policies.min_cut(replay_matmuls=seed % 2 == 0)
+    if draw_policy == 8:
+        return policies.either(policies.save_names("t1", "t3"), policies.memory_budget(seed % 4096 + 1024))  # room for t1 and t3
 
     def coin(node):  # a user callable: a deterministic coin per op and position
         return CheckpointPolicy.PREFER_SAVE if hash((seed, node.index, node.name)) % 3 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
@@ -105,8 +111,8 @@ programs = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(program=programs, which=st.integers(0, 5), seed=st.integers(0, 2**16), labels=st.sets(st.integers(0, 11)))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=programs, which=st.integers(0, 8), seed=st.integers(0, 2**16), labels=st.sets(st.integers(0, 11)))
 def test_random_programs_under_random_policies_match_eager_and_run_python_once(program, which, seed, labels):
     torch.manual_seed(seed)
     x = torch.randn(SHAPE, requires_grad=True)

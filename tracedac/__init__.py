@@ -7,6 +7,7 @@ from . import policies
 from .checkpoint import checkpoint, checkpoint_call, name, wrap
 from .errors import CheckpointError
 from .inspect import print_saved, saved_report
+from .tradeoff import trade_off
 
 __all__ = [
     "CheckpointError",
@@ -16,5 +17,6 @@ __all__ = [
     "policies",
     "print_saved",
     "saved_report",
+    "trade_off",
     "wrap",
 ]

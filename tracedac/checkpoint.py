@@ -98,6 +98,8 @@ class Region:
 
     def hold(self, group, tensor) -> None:
         """Keep ``tensor`` (the program's own) for ``group`` until ``alias`` replaces it."""
+        if self.planning is not None and not self.planning.keeps(group):
+            return  # a planned op's result the plan does not keep
         group.held = tensor
         self.raw_held.append((group, tensor))
 
@@ -131,7 +133,7 @@ class Region:
             # An input as it came in: kept as eager keeps it. If the region writes it later,
             # region exit plans its replay from the copy taken before the write.
             slot = Slot(self.graph, meta, t, exact=True)
-        elif g.node.decision in _SAVE:
+        elif g.node.decision in _SAVE if self.planning is None else self.planning.keeps(g):
             # detached: the saved output's grad_fn holds this handle; no reference cycle
             slot = Slot(self.graph, meta, self.alias(g, t))
             if g.held is None:

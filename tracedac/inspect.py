@@ -13,7 +13,7 @@ from .graph import RegionGraph, human_bytes
 from .policies import check_policy, describe_policy, recompute_all
 from .replay import plan
 
-__all__ = ["SavedReport", "SavedRow", "print_saved", "saved_report"]
+__all__ = ["SavedReport", "SavedRow", "print_saved", "record", "saved_report"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,12 @@ def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
 
+def _why(policy: str, node) -> str:
+    if node.planner is not None:
+        return f"kept by {node.planner}" + ("" if node.planner == policy else f" in {policy}")
+    return f"{policy} -> {node.decision.name}"
+
+
 def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
     graph: RegionGraph = region.graph
     policy = describe_policy(graph.policy)
@@ -111,11 +117,11 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
         elif h.tensor is not None:
             g = graph.groups[h.meta.group]
             node = g.node
-            add(h.tensor, "activation", node, f"{policy} -> {node.decision.name}")
+            add(h.tensor, "activation", node, _why(policy, node))
     for g in graph.groups:
         if g.held is not None:
             node = g.node
-            add(g.held, "activation", node, f"{policy} -> {node.decision.name}; replay reads it")
+            add(g.held, "activation", node, f"{_why(policy, node)}; replay reads it")
         if g.external is not None:
             add(g.external, "input", None, f"{graph.namer(g.external)}: replay reads it")
         if g.snapshot is not None:
@@ -136,12 +142,13 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
     return rows, sum(replayed.values()), flops, len(p.nodes) if p else 0
 
 
-def saved_report(fn, *args, policy=None, **kwargs) -> SavedReport:
-    """Run ``fn(*args, **kwargs)`` forward once and report every tensor kept for backward.
+def record(fn, args, kwargs, policy) -> tuple[list[Region], object]:
+    """Run ``fn``'s forward once in report mode; the regions it made (whole graphs kept) and
+    its output.
 
     ``fn`` may be a plain function or module (run in one region under ``policy``, default
     ``recompute_all()``), or something already checkpointed by tracedac (run under its own
-    policy, or ``policy`` if given). Regions nested inside are reported too.
+    policy, or ``policy`` if given). Regions nested inside are recorded too.
     """
     if policy is not None:
         check_policy(policy)
@@ -161,6 +168,17 @@ def saved_report(fn, *args, policy=None, **kwargs) -> SavedReport:
             names = {id(m): n or type(fn).__name__ for n, m in fn.named_modules()} if module is not None else None
             name = type(fn).__name__ if module is not None else getattr(fn, "__qualname__", repr(fn))
             out = run_region(fn, args, kwargs, policy or recompute_all(), name, module=module, module_names=names)
+    return regions, out
+
+
+def saved_report(fn, *args, policy=None, **kwargs) -> SavedReport:
+    """Run ``fn(*args, **kwargs)`` forward once and report every tensor kept for backward.
+
+    ``fn`` may be a plain function or module (run in one region under ``policy``, default
+    ``recompute_all()``), or something already checkpointed by tracedac (run under its own
+    policy, or ``policy`` if given). Regions nested inside are reported too.
+    """
+    regions, out = record(fn, args, kwargs, policy)
     report = SavedReport()
     for region in regions:
         rows, replayed, flops, ops = _rows(region)

@@ -280,6 +280,34 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
     return keep, value, G
 
 
+# --- the problem a region poses --------------------------------------------------------
+
+
+def region_values(graph: RegionGraph, slots) -> set:
+    """The (group, state) pairs of the handles in ``slots`` that the region computed (an
+    input, or a view of one, is not the planner's to keep)."""
+    groups = graph.groups
+    return {(s.meta.group, s.meta.state) for s in slots
+            if not s.exact and groups[s.meta.group].creator is not None}
+
+
+def items_of(graph: RegionGraph, wanted) -> list[int]:
+    """The storages a planner chooses among: wanted in their final state, the state a kept
+    storage holds."""
+    groups = graph.groups
+    return sorted({gid for gid, st in wanted if st == len(groups[gid].mutations)})
+
+
+def full_bytes(graph: RegionGraph, wanted) -> int:
+    """What the region would keep without checkpointing: every storage wanted, once."""
+    return sum(graph.groups[gid].nbytes for gid in {gid for gid, _ in wanted})
+
+
+def must_decisions(graph: RegionGraph) -> dict:
+    return {n.index: n.decision for n in graph.nodes
+            if n is not None and n.decision in (MUST_SAVE, MUST_RECOMPUTE)}
+
+
 # --- planner objects ----------------------------------------------------------------------
 
 
@@ -413,16 +441,19 @@ def input_signature(args, kwargs) -> tuple:
 
 class Planning:
     """A region's side of planning: decides nodes from a cached plan while recording, and
-    plans at the region's end when there was none (or the structure changed)."""
+    plans at the region's end when there was none (or the structure changed). Plans keep
+    storages, not nodes: of an op with several results (``native_layer_norm``'s output,
+    mean and rstd) a plan may keep some and not others."""
 
     def __init__(self, planner: Planner, key):
         self.planner = planner
         self.name = repr(planner)
         self.key = key
         entry = plans.get(key) if key is not None else None
-        self.cached = entry  # (signatures, keep) while the recording agrees with it
+        self.cached = entry  # (signatures, kept group ids) while the recording agrees with it
+        self.keep = entry[1] if entry is not None else frozenset()
         self.signatures: dict[int, tuple] = {}
-        self.undecided: set[int] = set()
+        self.undecided: set[int] = set()  # nodes recorded with no plan: the region's end decides
         self.planned_now = False
 
     def decide(self, node: Node, d: CheckpointPolicy) -> bool:
@@ -434,9 +465,10 @@ class Planning:
             return d is MUST_SAVE
         cached = self.cached
         if cached is not None:
-            sigs, keep = cached
+            sigs = cached[0]
             if node.index < len(sigs) and sigs[node.index] == sig:
-                if node.index in keep:
+                produced = [node.outputs[k].group for k in node.creates] + list(node.writes)
+                if any(g in self.keep for g in produced):
                     node.decision, node.planner = PREFER_SAVE, self.name
                     return self.planner.holds_unsaved
                 node.decision = PREFER_RECOMPUTE
@@ -445,6 +477,13 @@ class Planning:
         node.decision = PREFER_SAVE  # for now: the region's end decides
         self.undecided.add(node.index)
         return self.planner.holds_unsaved
+
+    def keeps(self, g) -> bool:
+        """Whether to hold storage ``g`` (its last writer decided SAVE) for now."""
+        node = g.node
+        if node.decision is MUST_SAVE or node.index in self.undecided:
+            return True
+        return node.decision is not MUST_RECOMPUTE and g.id in self.keep
 
     def finish(self, region) -> None:
         """Make the plan if none applied, then release what it does not keep."""
@@ -455,13 +494,11 @@ class Planning:
         plans.made += 1
         groups = graph.groups
         kept_slots = [s for s in region.kept if not s.exact]
-        wanted = {(s.meta.group, s.meta.state) for s in graph.slots()}
-        wanted |= {(s.meta.group, s.meta.state) for s in kept_slots}
-        wanted = {(gid, st) for gid, st in wanted if groups[gid].creator is not None}
-        items = sorted({gid for gid, st in wanted if st == len(groups[gid].mutations)})
-        full = sum(groups[gid].nbytes for gid in {gid for gid, _ in wanted})
+        wanted = region_values(graph, graph.slots()) | region_values(graph, kept_slots)
+        items = items_of(graph, wanted)
+        full = full_bytes(graph, wanted)
         live = {s.meta.group for s in kept_slots} | {g.id for g in groups if g.held is not None}
-        decisions = {n.index: n.decision for n in graph.nodes if n.decision in (MUST_SAVE, MUST_RECOMPUTE)}
+        decisions = must_decisions(graph)
         forced_in = [g for g in items if groups[g].node.decision is MUST_SAVE]
         forced_in += [g.id for g in groups if g.held is not None and g.node is not None
                       and g.node.decision is MUST_SAVE and g.id not in items]
@@ -470,25 +507,25 @@ class Planning:
         keep = {g for g in keep if g in live}
         graph.full_bytes = full  # what "without checkpointing" would keep, for reports
         # Apply: the chosen storages stay; everything else held for the plan is let go.
+        for node in graph.nodes:
+            if node.decision is not MUST_SAVE and node.decision is not MUST_RECOMPUTE:
+                node.decision, node.planner = PREFER_RECOMPUTE, None
         for g in groups:
             node = g.node
-            if node is None or node.decision in (MUST_SAVE, MUST_RECOMPUTE):
+            if node is None or node.decision is MUST_SAVE:
                 continue
             if g.id in keep:
                 node.decision, node.planner = PREFER_SAVE, self.name
             else:
-                node.decision, node.planner = PREFER_RECOMPUTE, None
                 g.held = None
-        for n in graph.nodes:
-            if n.index in self.undecided and n.decision is PREFER_SAVE and n.planner is None:
-                n.decision = PREFER_RECOMPUTE  # results of other nodes than a storage's last
         still = []
         for s in region.kept:
-            if s.exact or groups[s.meta.group].node.decision in (MUST_SAVE, PREFER_SAVE):
+            g = groups[s.meta.group]
+            if s.exact or g.id in keep or g.node.decision is MUST_SAVE:
                 still.append(s)
             else:
                 s.release()  # autograd's handle now rebuilds its value
         region.kept = still
         if self.key is not None:
             sigs = tuple(self.signatures[i] for i in range(len(graph.nodes)))
-            plans.put(self.key, sigs, frozenset(g.node.index for g in groups if g.id in keep))
+            plans.put(self.key, sigs, frozenset(keep))
