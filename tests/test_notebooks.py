@@ -20,7 +20,7 @@ def execute(name: str, tmp_path) -> str:
 
 
 def test_every_notebook_is_tested():
-    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == ["01_tour.ipynb"]
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == ["01_tour.ipynb", "02_memory_budget.ipynb"]
 
 
 def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twice_under_torch(tmp_path):
@@ -30,3 +30,13 @@ def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twi
     assert "tracedac.checkpoint        256 tokens counted (true count 256)" in text
     assert "attention_only -> MUST_SAVE" in text and "save_matmuls() -> MUST_SAVE" in text
     assert "CheckpointError: buffer 'expert_bias'" in text
+
+
+def test_the_memory_budget_notebook_sweeps_plots_picks_and_reports(tmp_path):
+    text = execute("02_memory_budget.ipynb", tmp_path)
+    assert "plans on the frontier" in text and "recompute_all()" in text and "save_matmuls()" in text
+    assert "<Figure" in text, "the frontier is plotted"
+    assert "kept by memory_budget(" in text, "the report says which planner kept each tensor"
+    assert "within budget: True" in text
+    assert "last step's gradients bitwise equal to the un-checkpointed block's: True" in text
+    assert "min_cut keeps" in text

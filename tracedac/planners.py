@@ -54,17 +54,18 @@ def _bytes_moved(node: Node) -> int:
     return sum(m.nbytes for m in node.tensor_args) + sum(o.nbytes for o in node.outputs if o is not None)
 
 
-def node_cost(node: Node, cost: str | Callable = "flops") -> int:
-    """What replaying ``node`` once costs.
+def node_cost(node: Node, cost: str | Callable = "flops") -> tuple:
+    """What replaying ``node`` once costs, as a tuple compared in order.
 
-    ``"flops"``: FLOPs by torch's formulas (``torch.utils.flop_counter``); an op without a
-    formula (pointwise, reductions, copies: memory-bound) costs the bytes it reads and
-    writes, one byte for one FLOP. ``"time"``: the nanoseconds the op took when it was
-    recorded (``memory_budget(..., cost="time")`` makes the region time every op).
-    A callable ``cost(node) -> number`` is used as it is.
+    ``"flops"``: (FLOPs by torch's formulas, bytes the op reads and writes). Matmuls,
+    attention and convolutions are priced by their FLOPs; ops without a formula
+    (pointwise, reductions, copies: memory-bound) by the bytes they move, which also decide
+    between plans of equal FLOPs. ``"time"``: (nanoseconds the op took when it was recorded;
+    ``memory_budget(..., cost="time")`` makes the region time every op). A callable
+    ``cost(node) -> number`` is used as it is.
     """
     if cost == "flops":
-        return node.flops or _bytes_moved(node)
+        return (node.flops, _bytes_moved(node))
     if cost == "time":
         t = node.time_ns
         if t is None:
@@ -73,8 +74,8 @@ def node_cost(node: Node, cost: str | Callable = "flops") -> int:
                 "recorded without timing; pass the policy memory_budget(..., cost='time') to the "
                 "region itself, so it times ops while it records."
             )
-        return t
-    return cost(node)
+        return (t,)
+    return (int(cost(node)),)
 
 
 def closure(graph: RegionGraph, wanted, kept) -> list[int]:
@@ -107,13 +108,15 @@ def closure(graph: RegionGraph, wanted, kept) -> list[int]:
     return sorted(chosen)
 
 
-def costs(graph: RegionGraph, items: list[int], cost="flops") -> list[tuple[int, int]]:
-    """(cost, ops) of replaying each item's storage when every other item is kept.
+def costs(graph: RegionGraph, items: list[int], cost="flops") -> list[tuple]:
+    """The cost of replaying each item's storage when every other item is kept: the
+    components of ``node_cost`` summed over the nodes that runs, then the number of ops
+    (ties go to fewer replayed ops).
 
     These costs add up exactly over any choice, except that a node no item keeps and that
     two replayed items both read is counted for each: the model is then an upper bound of
     what replay runs, never below it."""
-    memo: dict[int, int] = {}
+    memo: dict[int, tuple] = {}
     out = []
     final = {gid: len(graph.groups[gid].mutations) for gid in items}
     others = set(items)
@@ -121,25 +124,32 @@ def costs(graph: RegionGraph, items: list[int], cost="flops") -> list[tuple[int,
         others.discard(gid)
         run = closure(graph, [(gid, final[gid])], others)
         others.add(gid)
-        total = 0
+        total = None
         for i in run:
             c = memo.get(i)
             if c is None:
-                c = memo[i] = int(node_cost(graph.nodes[i], cost))
-            total += c
-        out.append((total, len(run)))
+                c = memo[i] = node_cost(graph.nodes[i], cost)
+            total = c if total is None else tuple(x + y for x, y in zip(total, c))
+        if total is None:
+            total = tuple(0 for _ in node_cost_shape(cost))
+        out.append((*total, len(run)))
     return out
+
+
+def node_cost_shape(cost) -> tuple:
+    return (0, 0) if cost == "flops" else (0,)
 
 
 # --- the knapsack -------------------------------------------------------------------------
 
 
-def knapsack(weights: list[int], values: list[int], capacity: int) -> tuple[list[int], int]:
-    """Indices of a subset of maximal total value whose total weight is at most ``capacity``,
-    and among those one of least weight; also the unit ``q`` weights were counted in.
+def knapsack(weights: list[int], values: list[tuple], capacity: int) -> tuple[list[int], int]:
+    """Indices of a subset whose summed ``values`` are greatest (tuples of ints, compared in
+    order) with total weight at most ``capacity``, and among those one of least weight;
+    also the unit ``q`` weights were counted in.
 
     Dynamic programming over capacities counted in units of ``q`` bytes. Each weight is
-    rounded *up* to whole units (``ceil(w / q)``) and the capacity *down``
+    rounded *up* to whole units (``ceil(w / q)``) and the capacity *down*
     (``floor(capacity / q)``), so for any subset the DP accepts,
     ``sum(w) <= q * sum(ceil(w / q)) <= q * floor(capacity / q) <= capacity``: the budget holds
     after quantizing, always. ``q`` is the greatest common divisor of the weights (tensor
@@ -150,9 +160,8 @@ def knapsack(weights: list[int], values: list[int], capacity: int) -> tuple[list
     """
     n = len(weights)
     if n == 0 or capacity <= 0:
-        return [], 1
-    if any(w <= 0 for w in weights):
-        # free items are always worth keeping
+        return [i for i, w in enumerate(weights) if w <= 0 and capacity >= 0], 1
+    if any(w <= 0 for w in weights):  # free items are always worth keeping
         free = [i for i, w in enumerate(weights) if w <= 0]
         rest = [i for i, w in enumerate(weights) if w > 0]
         chosen, q = knapsack([weights[i] for i in rest], [values[i] for i in rest], capacity)
@@ -164,33 +173,33 @@ def knapsack(weights: list[int], values: list[int], capacity: int) -> tuple[list
         q = max(q, -(-capacity // MAX_CELLS))
     cells = capacity // q
     units = [-(-w // q) for w in weights]
-    best = torch.zeros(cells + 1, dtype=torch.int64)  # best[c]: most value within c units
+    width = len(values[0])
+    # best[k][c]: component k of the best value within c units (int64: sums of FLOPs fit)
+    best = [torch.zeros(cells + 1, dtype=torch.int64) for _ in range(width)]
     take = torch.zeros((n, cells + 1), dtype=torch.bool)
     for i, (u, v) in enumerate(zip(units, values)):
         if u > cells:
             continue
-        candidate = best[: cells + 1 - u] + v  # a new tensor: the update below reads the old row
-        better = candidate > best[u:]
+        old = [b[u:] for b in best]
+        new = [b[: cells + 1 - u] + x for b, x in zip(best, v)]  # new tensors: read the old row
+        better = torch.zeros(cells + 1 - u, dtype=torch.bool)
+        tied = torch.ones(cells + 1 - u, dtype=torch.bool)
+        for o, c in zip(old, new):
+            better |= tied & (c > o)
+            tied &= c == o
         take[i, u:] = better
-        best[u:] = torch.where(better, candidate, best[u:])
-    top = best[cells]
-    c = int(torch.nonzero(best == top)[0])  # the least capacity reaching the best value
+        for b, o, c in zip(best, old, new):
+            b[u:] = torch.where(better, c, o)
+    reaching = torch.ones(cells + 1, dtype=torch.bool)
+    for b in best:
+        reaching &= b == b[cells]
+    c = int(torch.nonzero(reaching)[0])  # the least capacity reaching the best value
     chosen = []
     for i in range(n - 1, -1, -1):
         if take[i, c]:
             chosen.append(i)
             c -= units[i]
     return sorted(chosen), q
-
-
-def _values(item_costs: list[tuple[int, int]]) -> list[int]:
-    """One integer per item ordering by cost, then by ops (ties go to fewer replayed ops)."""
-    ops_scale = sum(o for _, o in item_costs) + 1
-    top = sum(c for c, _ in item_costs) * ops_scale + ops_scale
-    shrink = 1
-    while top // shrink >= 1 << 62:  # keep the table in int64; only astronomically large costs
-        shrink *= 2
-    return [(c // shrink) * ops_scale + o for c, o in item_costs]
 
 
 # --- the minimum cut ----------------------------------------------------------------------
@@ -358,8 +367,7 @@ class MemoryBudget(Planner):
         free = [g for g in items if g not in forced_in and g not in forced_out]
         item_costs = costs(graph, items, self.cost)
         by_group = dict(zip(items, item_costs))
-        chosen, _ = knapsack([groups[g].nbytes for g in free], _values([by_group[g] for g in free]),
-                             limit - forced_bytes)
+        chosen, _ = knapsack([groups[g].nbytes for g in free], [by_group[g] for g in free], limit - forced_bytes)
         return {free[i] for i in chosen} | set(forced_in)
 
     def __repr__(self) -> str:
