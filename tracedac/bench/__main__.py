@@ -2,7 +2,9 @@
 
 By default it runs the checkpointing comparison on the embedded MoE model (see
 ``checkpointing``); ``--kernels`` runs the kernel benchmark instead. Progress goes to
-stderr, the table to stdout, and ``--json PATH`` writes every figure. Targets that are
+stderr, the table to stdout, and ``--json PATH`` writes every figure. ``--planners`` runs
+the planner benchmark (``planners``: ``memory_budget`` against torch.compile's
+``activation_memory_budget`` on a small Llama) instead. Targets that are
 missed are marked FAIL in the output; the exit status stays 0, since a slow machine is not
 an error.
 """
@@ -37,11 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--vocab", type=int, default=default.vocab, help="vocabulary size (%(default)s)")
     size.add_argument("--batch", type=int, default=default.batch, help="sequences per step (%(default)s)")
     size.add_argument("--seq", type=int, default=default.seq, help="tokens per sequence (%(default)s)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per variant, after one untimed (%(default)s)")
+    p.add_argument("--steps", type=int, help="timed steps per variant, after one untimed (8; 3 with --planners)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (%(default)s)")
     p.add_argument("--quick", action="store_true", help="a tiny built-in model (size flags are ignored) and at most two steps: "
                    "checks the set-up in seconds")
     p.add_argument("--kernels", action="store_true", help="run the kernel benchmark instead of the comparison")
+    p.add_argument("--planners", action="store_true",
+                   help="run the planner benchmark instead: memory_budget at budgets 0.0 to 1.0 against "
+                   "torch.compile's activation_memory_budget on a 2-layer Llama (size flags are ignored; "
+                   "--steps, --quick, --json, --quiet, --system-malloc apply)")
     p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--system-malloc", action="store_true",
@@ -76,9 +82,22 @@ def main(argv=None) -> int:
                          "run without --kernels for the checkpointing comparison.")
         figures = kernels.run(quick=args.quick)
         print(json.dumps(figures, indent=2, default=str))
+    elif args.planners:
+        from . import planners, probe
+        from .llama import LlamaConfig
+
+        steps = 3 if args.steps is None else args.steps
+        try:
+            planners.check_settings(planners.QUICK if args.quick else LlamaConfig(), steps, args.device)
+        except (ValueError, probe.ProbeUnavailable) as e:
+            parser.error(str(e))
+        figures = planners.run(steps=steps, quick=args.quick, progress=None if args.quiet else sys.stderr,
+                               system_malloc=args.system_malloc)
+        print(planners.format_report(figures))
     else:
         from . import checkpointing, probe
 
+        args.steps = 8 if args.steps is None else args.steps
         try:
             cfg = _config(args)
             checkpointing.check_settings(checkpointing.QUICK if args.quick else cfg, args.steps, args.device)
