@@ -166,6 +166,15 @@ def test_min_cut_keeps_a_small_matmul_result_rather_than_the_big_tensor_made_fro
     assert_same_grads(f, (x, w), policy=policies.min_cut())
 
 
+@pytest.mark.parametrize("policy", [policies.min_cut(), policies.memory_budget(0.5)])
+def test_a_region_whose_backward_needs_nothing_it_computed_plans_to_keep_nothing(policy):
+    x = torch.randn(8, requires_grad=True)
+    report = tracedac.saved_report(lambda x: (x * 2).sum(), x, policy=policy)
+    assert report.kept_bytes == 0 and report.replay_ops == 0
+    checkpoint(lambda x: (x * 2).sum(), policy=policy)(x).backward()
+    assert torch.equal(x.grad, torch.full((8,), 2.0))
+
+
 # --- in a model ----------------------------------------------------------------------------
 
 

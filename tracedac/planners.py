@@ -234,6 +234,7 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
     big = 1 + sum(g.nbytes for g in groups if g is not None)
     G = nx.DiGraph()
     src, sink = "source", "sink"
+    G.add_nodes_from((src, sink))  # a region with nothing to keep still has both
 
     def produced(node):
         vals = [(node.outputs[k].group, 0) for k in node.creates]
