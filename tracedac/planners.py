@@ -43,8 +43,9 @@ MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
 PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 
 # The dynamic program's table has at most this many capacity cells; beyond it, bytes are
-# counted in coarser units (see ``knapsack``). Plans are cached, so this runs once per structure.
-MAX_CELLS = 1 << 16
+# counted in coarser units (see ``knapsack``): a few milliseconds, since an MoE block whose
+# routing changes its shapes plans again at every step.
+MAX_CELLS = 1 << 12
 
 
 # --- what replay costs --------------------------------------------------------------------
