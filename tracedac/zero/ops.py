@@ -29,7 +29,7 @@ from ..policies import recompute_by_default
 from ..trace import _address
 from .errors import ZeroError
 
-__all__ = ["FlatParam", "all_gather", "reduce_scatter", "release"]
+__all__ = ["FlatParam", "Prefetch", "all_gather", "reduce_scatter", "release"]
 
 # torch 2.13 names the tensor collectives *_single and deprecates *_into_tensor / *_tensor.
 # gloo implements both on CPU (bf16 included).
@@ -39,6 +39,40 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _FLATS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> FlatParam
 _KEYS = itertools.count()
 _LIVE: dict = {}  # storage address -> Gathered, for buffers gathered by a forward pre-hook
+
+
+class Prefetch:
+    """Per model: the order of gathers in the last forward and backward, to prefetch by.
+
+    The i-th gather of a forward (or backward) starts the (i+1)-th gather of the previous
+    one, if the i-th was the same group then. A group may appear several times (a shared
+    parameter's group is gathered by each unit using it): positions, not links between
+    groups, so the last gather of a pass never starts one nobody will consume.
+    """
+
+    __slots__ = ("enabled", "backward", "current", "learned")
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.backward = None  # whether the pass being recorded is a backward; None: none yet
+        self.current: list = []
+        self.learned: dict = {}  # backward: bool -> the order of that kind of pass, last time
+
+    def begin(self, backward: bool) -> None:
+        if self.backward is not None:
+            self.learned[self.backward] = self.current
+        self.backward, self.current = backward, []
+
+    def after(self, flat: FlatParam, backward: bool) -> FlatParam | None:
+        """Record a gather of ``flat``; return the group to prefetch next, if any."""
+        if backward != self.backward:
+            self.begin(backward)
+        i = len(self.current)
+        self.current.append(flat)
+        order = self.learned.get(backward, ())
+        if self.enabled and i + 1 < len(order) and order[i] is flat:
+            return order[i + 1]
+        return None
 
 
 def flat_of(key: int) -> FlatParam:
@@ -67,9 +101,9 @@ class FlatParam:
 
     Every rank keeps ``shard`` (fp32, ``shard_numel`` elements, the group's elements
     ``[rank * shard_numel, (rank + 1) * shard_numel)`` of the flat buffer padded to a
-    multiple of the world size). Prefetch links (``next_fwd``, ``next_bwd``) are learned
-    from the order gathers ran in the previous forward and backward: the same on every
-    rank, so every rank issues the same collectives in the same order.
+    multiple of the world size). ``state`` (one per model) prefetches in the order gathers
+    ran in the previous forward or backward: the same on every rank, so every rank issues
+    the same collectives in the same order.
     """
 
     def __init__(self, name, shard, numel, dtype, reduce_dtype, group, timeout, state):
@@ -85,9 +119,7 @@ class FlatParam:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeout = timeout
-        self.state = state  # the model's _Prefetch: last gathers, on or off
-        self.next_fwd: FlatParam | None = None
-        self.next_bwd: FlatParam | None = None
+        self.state = state  # the model's Prefetch
         self.pending: _Pending | None = None
 
     # -- collectives --
@@ -133,20 +165,8 @@ class FlatParam:
         return pending.out
 
     def _prefetch_next(self) -> None:
-        state = self.state
-        if torch._C._current_graph_task_id() != -1:  # inside backward
-            state.last_fwd = None
-            if state.last_bwd is not None:
-                state.last_bwd.next_bwd = self
-            state.last_bwd = self
-            nxt = self.next_bwd
-        else:
-            state.last_bwd = None
-            if state.last_fwd is not None:
-                state.last_fwd.next_fwd = self
-            state.last_fwd = self
-            nxt = self.next_fwd
-        if state.enabled and nxt is not None and nxt is not self and nxt.pending is None:
+        nxt = self.state.after(self, torch._C._current_graph_task_id() != -1)
+        if nxt is not None and nxt.pending is None:
             nxt.pending = nxt.start(nxt.shard)
 
     def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..checkpoint import current_region
 from .errors import ZeroError
-from .ops import FlatParam, Gathered, Handle, handle_for
+from .ops import FlatParam, Gathered, Handle, Prefetch, handle_for
 
 __all__ = ["MixedPrecision", "shard", "sharded"]
 
@@ -51,16 +51,6 @@ class MixedPrecision:
             raise TypeError(f"MixedPrecision(low_precision_modules=...) takes a tuple of nn.Module classes, got {mods!r}")
 
 
-class _Prefetch:
-    """Per model: whether to prefetch, and the last group gathered in forward and in backward."""
-
-    __slots__ = ("enabled", "last_fwd", "last_bwd")
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.last_fwd = self.last_bwd = None
-
-
 class _Slot:
     """One module attribute that reads a sharded parameter: where, and which piece of which flat."""
 
@@ -84,8 +74,11 @@ class Unit:
         self.flats: list[FlatParam] = []  # groups it gathers: its own, then borrowed (shared params)
         self.slots: list[_Slot] = []
         self.active: list = []  # (gathered, hooks) per forward call running
+        self.root = False  # the model itself: its forward starts a new order of gathers
 
     def pre(self, module, args):
+        if self.root:
+            self.own[0].state.begin(backward=False)  # a new forward: its gathers start at 0
         gathered = [Gathered(f, torch.ops.tracedac.all_gather(f.shard, f.key)) for f in self.flats]
         pieces = [g.full.split_with_sizes(g.flat.sizes) for g in gathered]
         for s in self.slots:
@@ -288,7 +281,7 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     for _, _, m, _, p in seen:
         is_low = mp is not None and isinstance(m, mp.low_precision_modules)
         low[id(p)] = low.get(id(p), True) and is_low
-    state = _Prefetch(prefetch)
+    state = Prefetch(prefetch)
     modules = {"": module}
     modules.update({name: module.get_submodule(name) for name in chosen.values()})
     unit_objs: dict[str, Unit] = {}
@@ -342,6 +335,8 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     for _, _, m, attr, _ in seen:
         m._parameters.pop(attr, None)  # the attribute becomes a placeholder, then a view in forward
     units_list = list(unit_objs.values())
+    if "" in unit_objs and unit_objs[""].own:
+        unit_objs[""].root = True
     for unit in units_list:
         for s in unit.slots:
             s.module.__dict__[s.attr] = s.placeholder

@@ -1,0 +1,92 @@
+"""tracedac.zero on real gloo process groups of 2 to 4 spawned ranks (file init, hard timeouts).
+
+Each rank trains on its slice of the batch with the loss averaged over its slice; the
+gradient is averaged over ranks (as DDP and FSDP do), so with equal slices sharded training
+equals single-process training on the combined batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import workers as w
+from .spawn import run_ranks
+
+VARIANTS = ("plain", "wrap-before", "wrap-after", "inside-unit")
+
+
+def test_two_ranks_train_as_one_process_on_the_combined_batch_with_and_without_checkpoint_regions():
+    """Regions around the units (wrapped before or after sharding) and inside them; the
+    blocks count their calls in a buffer, which full_state_dict compares too: once per step."""
+    for result in run_ranks(w.equivalence, 2, VARIANTS):
+        assert all(result[v] < 1e-5 for v in VARIANTS), result
+
+
+@pytest.mark.parametrize("world, variants", [(3, ("plain", "wrap-after")), (4, ("plain",))])
+def test_three_and_four_ranks_train_as_one_process(world, variants):
+    for result in run_ranks(w.equivalence, world, variants):
+        assert all(result[v] < 1e-5 for v in variants), result
+
+
+@pytest.fixture(scope="module")
+def memory():
+    return run_ranks(w.memory, 2)
+
+
+@pytest.mark.parametrize("where", VARIANTS)
+def test_after_forward_no_gathered_buffer_is_alive(memory, where):
+    for result in memory:
+        r = result[where]
+        assert r["alive"] == 0 and r["live"] == 0, r
+        assert r["grads"]
+
+
+@pytest.mark.parametrize("where", VARIANTS)
+def test_backward_gathers_each_group_once_for_each_unit_that_uses_it(memory, where):
+    """Frozen groups are never saved for backward, so they are not gathered again."""
+    for result in memory:
+        r = result[where]
+        assert r["forward"] == r["users"], r
+        assert r["backward"], r
+        assert all(r["backward"][k] == r["users"][k] for k in r["backward"]), r
+
+
+@pytest.mark.parametrize("where", VARIANTS)
+def test_gathers_are_prefetched_and_none_is_wasted(memory, where):
+    for result in memory:
+        r = result[where]
+        gathers = sum(r["forward"].values()) + sum(r["backward"].values())
+        assert r["starts"] == gathers, r
+        assert r["prefetched"] >= gathers // 2, r
+
+
+def test_bf16_trains_close_to_fp32_and_gathers_at_most_055_of_the_bytes():
+    for result in run_ranks(w.mixed, 2):
+        (fp32_diff, fp32_bytes), (bf16_diff, bf16_bytes) = result["fp32"], result["bf16"]
+        assert fp32_diff < 1e-5
+        assert bf16_diff < 5e-2, result
+        assert bf16_bytes <= 0.55 * fp32_bytes, result
+
+
+def test_state_dicts_round_trip_and_clipping_matches_torch(tmp_path):
+    results = run_ranks(w.state_dicts, 2, str(tmp_path / "dcp"))
+    for rank, r in enumerate(results):
+        norm_diff, params_diff = r["clip"]
+        assert norm_diff < 1e-5 and params_diff < 1e-5, r
+        assert r["keys"]
+        assert r["rank0_only"] == (31 if rank == 0 else 0)
+        assert r["full_roundtrip"] == 0 and r["dcp_roundtrip"] == 0 and r["after_step"] == 0, r
+        shard_numel, total = r["numel"]
+        assert total / 2 <= shard_numel <= total / 2 + 2 * 8, r  # 1/world, plus padding
+
+
+def test_ranks_with_different_models_are_refused_at_shard_time_naming_the_parameter():
+    for message in run_ranks(w.mismatched, 2):
+        assert message is not None and "embed.weight" in message and "(16, 16)" in message and "(20, 20)" in message
+
+
+def test_a_rank_that_dies_makes_the_others_fail_within_the_timeout():
+    results = run_ranks(w.dead_rank, 2, timeout=60)
+    elapsed, message = results[0]
+    assert message is not None and "all-gather" in message and "rank 0 of 2" in message, message
+    assert elapsed < 3 + 5
