@@ -2,7 +2,8 @@
 
 Each rank trains on its slice of the batch with the loss averaged over its slice; the
 gradient is averaged over ranks (as DDP and FSDP do), so with equal slices sharded training
-equals single-process training on the combined batch.
+equals single-process training on the combined batch. Starting a rank costs seconds, so
+a few spawns run several workers each (``workers.several``); every test reads its part.
 """
 
 from __future__ import annotations
@@ -15,36 +16,48 @@ from .spawn import run_ranks
 VARIANTS = ("plain", "wrap-before", "wrap-after", "inside-unit")
 
 
-def test_two_ranks_train_as_one_process_on_the_combined_batch_with_and_without_checkpoint_regions():
-    """Regions around the units (wrapped before or after sharding) and inside them; the
-    blocks count their calls in a buffer, which full_state_dict compares too: once per step."""
-    for result in run_ranks(w.equivalence, 2, VARIANTS):
-        assert all(result[v] < 1e-5 for v in VARIANTS), result
-
-
-@pytest.mark.parametrize("world, variants", [(3, ("plain", "wrap-after")), (4, ("plain",))])
-def test_three_and_four_ranks_train_as_one_process(world, variants):
-    for result in run_ranks(w.equivalence, world, variants):
-        assert all(result[v] < 1e-5 for v in variants), result
+def _part(results, name):
+    out = []
+    for rank, parts in enumerate(results):
+        kind, value = parts[name]
+        if kind == "error":
+            pytest.fail(f"{name} failed on rank {rank}:\n{value}")
+        out.append(value)
+    return out
 
 
 @pytest.fixture(scope="module")
-def memory():
-    return run_ranks(w.memory, 2)
+def two_ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("dcp"))
+    parts = [("mismatched", ()), ("equivalence", (VARIANTS,)), ("memory", ()), ("mixed", ()), ("state_dicts", (tmp,))]
+    return run_ranks(w.several, 2, parts, timeout=240)
+
+
+def test_two_ranks_train_as_one_process_on_the_combined_batch_with_and_without_checkpoint_regions(two_ranks):
+    """Regions around the units (wrapped before or after sharding) and inside them; the
+    blocks count their calls in a buffer, which full_state_dict compares too: once per step."""
+    for result in _part(two_ranks, "equivalence"):
+        assert all(result[v] < 1e-5 for v in VARIANTS), result
+
+
+@pytest.mark.parametrize("world, variants", [(3, ("plain", "wrap-after")), (4, ("inside-unit",))])
+def test_three_and_four_ranks_train_as_one_process(world, variants):
+    for result in run_ranks(w.equivalence, world, variants, timeout=180):
+        assert all(result[v] < 1e-5 for v in variants), result
 
 
 @pytest.mark.parametrize("where", VARIANTS)
-def test_after_forward_no_gathered_buffer_is_alive(memory, where):
-    for result in memory:
+def test_after_forward_no_gathered_buffer_is_alive(two_ranks, where):
+    for result in _part(two_ranks, "memory"):
         r = result[where]
         assert r["alive"] == 0 and r["live"] == 0, r
         assert r["grads"]
 
 
 @pytest.mark.parametrize("where", VARIANTS)
-def test_backward_gathers_each_group_once_for_each_unit_that_uses_it(memory, where):
+def test_backward_gathers_each_group_once_for_each_unit_that_uses_it(two_ranks, where):
     """Frozen groups are never saved for backward, so they are not gathered again."""
-    for result in memory:
+    for result in _part(two_ranks, "memory"):
         r = result[where]
         assert r["forward"] == r["users"], r
         assert r["backward"], r
@@ -52,25 +65,24 @@ def test_backward_gathers_each_group_once_for_each_unit_that_uses_it(memory, whe
 
 
 @pytest.mark.parametrize("where", VARIANTS)
-def test_gathers_are_prefetched_and_none_is_wasted(memory, where):
-    for result in memory:
+def test_gathers_are_prefetched_and_none_is_wasted(two_ranks, where):
+    for result in _part(two_ranks, "memory"):
         r = result[where]
         gathers = sum(r["forward"].values()) + sum(r["backward"].values())
         assert r["starts"] == gathers, r
         assert r["prefetched"] >= gathers // 2, r
 
 
-def test_bf16_trains_close_to_fp32_and_gathers_at_most_055_of_the_bytes():
-    for result in run_ranks(w.mixed, 2):
+def test_bf16_trains_close_to_fp32_and_gathers_at_most_055_of_the_bytes(two_ranks):
+    for result in _part(two_ranks, "mixed"):
         (fp32_diff, fp32_bytes), (bf16_diff, bf16_bytes) = result["fp32"], result["bf16"]
         assert fp32_diff < 1e-5
         assert bf16_diff < 5e-2, result
         assert bf16_bytes <= 0.55 * fp32_bytes, result
 
 
-def test_state_dicts_round_trip_and_clipping_matches_torch(tmp_path):
-    results = run_ranks(w.state_dicts, 2, str(tmp_path / "dcp"))
-    for rank, r in enumerate(results):
+def test_state_dicts_round_trip_and_clipping_matches_torch(two_ranks):
+    for rank, r in enumerate(_part(two_ranks, "state_dicts")):
         norm_diff, params_diff = r["clip"]
         assert norm_diff < 1e-5 and params_diff < 1e-5, r
         assert r["keys"]
@@ -80,8 +92,8 @@ def test_state_dicts_round_trip_and_clipping_matches_torch(tmp_path):
         assert total / 2 <= shard_numel <= total / 2 + 2 * 8, r  # 1/world, plus padding
 
 
-def test_ranks_with_different_models_are_refused_at_shard_time_naming_the_parameter():
-    for message in run_ranks(w.mismatched, 2):
+def test_ranks_with_different_models_are_refused_at_shard_time_naming_the_parameter(two_ranks):
+    for message in _part(two_ranks, "mismatched"):
         assert message is not None and "embed.weight" in message and "(16, 16)" in message and "(20, 20)" in message
 
 

@@ -244,3 +244,17 @@ def dead_rank(rank, world):
     except zero.ZeroError as e:
         return time.monotonic() - start, str(e)
     return time.monotonic() - start, None
+
+
+def several(rank, world, parts):
+    """Run several of the workers above in one spawn (starting a rank costs seconds):
+    ``parts`` is ``[(name, args)]``; returns ``{name: ("ok", result) or ("error", traceback)}``."""
+    import traceback
+
+    out = {}
+    for name, args in parts:
+        try:
+            out[name] = ("ok", globals()[name](rank, world, *args))
+        except Exception:
+            out[name] = ("error", traceback.format_exc())
+    return out
