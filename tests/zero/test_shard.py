@@ -134,3 +134,29 @@ def test_fake_implementations_give_the_real_shapes(world1):
             part = torch.ops.tracedac.reduce_scatter(full, f.key)
             assert part.shape == f.shard.shape and part.dtype == torch.float32
     assert {f.dtype for f in flats} == {torch.bfloat16, torch.float32}
+
+
+def test_bf16_gradients_reduced_in_bf16_are_upcast_into_fp32_shard_grads(world1):
+    """reduce_dtype=bf16: the reduce-scatter moves bf16 and accumulate_ adds it into fp32 .grad."""
+    ref = w.model()
+    m = zero.shard(w.model(), mixed_precision=zero.MixedPrecision(reduce_dtype=torch.bfloat16))
+    x, y = w.data(0)
+    F.mse_loss(ref(x), y).backward()
+    F.mse_loss(m(x), y).backward()
+    assert all(f.shard.grad.dtype == torch.float32 for f in m._tracedac_zero.flats if f.shard.requires_grad)
+    full = {}
+    for f in m._tracedac_zero.flats:
+        if f.shard.requires_grad:
+            for fqns, offset, shape in f.params:
+                full[fqns[0]] = f.shard.grad[offset:offset + torch.Size(shape).numel()].view(shape)
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(full[name], p.grad, atol=3e-2, rtol=5e-2)
+
+
+def test_tracedac_zero_is_a_lazy_attribute():
+    import sys
+
+    import tracedac as td
+
+    assert td.zero is sys.modules["tracedac.zero"]
