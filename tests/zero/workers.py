@@ -221,6 +221,7 @@ def state_dicts(rank, world, tmp):
     out["after_step"] = max_diff(zero.full_state_dict(other), zero.full_state_dict(m))
     n_shard = sum(p.numel() for p in m.parameters())
     out["numel"] = (n_shard, sum(p.numel() for p in {id(p): p for p in model().parameters()}.values()))
+    out["saved"] = full  # what the DCP checkpoint in tmp holds, for a load on another world size
     return out
 
 

@@ -35,10 +35,12 @@ def _gather_fp32(flat) -> torch.Tensor:
 def full_state_dict(module, *, rank0_only: bool = False) -> dict:
     """Full fp32 parameters and the buffers, under the unsharded model's keys and order.
 
-    A collective: every rank must call it. With ``rank0_only`` other ranks get ``{}``.
+    A snapshot: every tensor is a copy (buffers too, unlike ``nn.Module.state_dict``), so
+    training on does not change it. A collective: every rank must call it. With
+    ``rank0_only`` other ranks get ``{}``.
     """
     z = sharded(module)
-    values = _buffers(module)
+    values = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in _buffers(module).items()}
     for flat in z.flats:
         full = _gather_fp32(flat)
         for fqns, offset, shape in flat.params:
