@@ -160,3 +160,35 @@ def test_tracedac_zero_is_a_lazy_attribute():
     import tracedac as td
 
     assert td.zero is sys.modules["tracedac.zero"]
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_model_whose_root_has_no_parameters_shards_trains_and_counts_its_passes(world1):
+    """Every parameter is in a unit; the root's forward still marks where a pass starts, so
+    the recorded order of gathers does not grow over forwards without backward (evaluation)."""
+    torch.manual_seed(0)
+    ref = Stack()
+    m = zero.shard(Stack())
+    zero.load_full_state_dict(m, ref.state_dict())
+    x = torch.randn(3, 4)
+    for model in (ref, m):
+        for _ in range(3):
+            model(x).sum().backward()
+    torch.testing.assert_close(zero.full_state_dict(m), ref.state_dict())
+    flat = m._tracedac_zero.flats[0]
+    torch.testing.assert_close(flat.shard.grad, torch.cat([ref.layers[0].weight.grad.flatten(), ref.layers[0].bias.grad]))
+    state = m._tracedac_zero.units[0].state
+    with torch.no_grad():
+        for _ in range(5):
+            m(x)
+    assert len(state.current) == 2

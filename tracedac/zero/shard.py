@@ -75,10 +75,11 @@ class Unit:
         self.slots: list[_Slot] = []
         self.active: list = []  # (gathered, hooks) per forward call running
         self.root = False  # the model itself: its forward starts a new order of gathers
+        self.state: Prefetch | None = None
 
     def pre(self, module, args):
         if self.root:
-            self.own[0].state.begin(backward=False)  # a new forward: its gathers start at 0
+            self.state.begin(backward=False)  # a new forward: its gathers count from 0 again
         gathered = [Gathered(f, torch.ops.tracedac.all_gather(f.shard, f.key)) for f in self.flats]
         pieces = [g.full.split_with_sizes(g.flat.sizes) for g in gathered]
         for s in self.slots:
@@ -252,101 +253,129 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     timeout = _timeout(timeout)
     chosen = _choose_units(module, _unit_matcher(units))
     keys = list(module.state_dict().keys())
+    uses = _uses(module, chosen)
+    # Compared before anything a rank could refuse alone: a rank raising early would
+    # leave the others waiting in this collective.
+    _check_same_models([(u.unit, u.fqn, tuple(u.param.shape), str(u.param.dtype), u.param.requires_grad) for u in uses], group)
+    for u in uses:
+        if u.param.dtype != torch.float32 or u.param.is_sparse:
+            raise ZeroError(
+                f"parameter {u.fqn!r} is {u.param.dtype}{' sparse' if u.param.is_sparse else ''}; shard() "
+                "keeps dense fp32 shards. Build the model in float32 and pass mixed_precision="
+                "MixedPrecision(...) to compute in bf16."
+            )
+    modules = {"": module, **{name: module.get_submodule(name) for name in chosen.values()}}
+    units_by_name = {name: Unit(name, m) for name, m in modules.items()}
+    state = Prefetch(prefetch)
+    owner = _make_flats(uses, units_by_name, group, mixed_precision, timeout, state)
+    _attach(uses, units_by_name, owner)
+    # The root is hooked even with no parameters of its own: its forward marks a new step.
+    active = [u for u in units_by_name.values() if u.slots or not u.name]
+    for unit in active:
+        unit.root, unit.state = not unit.name, state
+        unit.module.register_forward_pre_hook(unit.pre)
+        unit.module.register_forward_hook(unit.post, always_call=True)
+    mp = mixed_precision
+    if mp is not None:
+        device_type = uses[0].param.device.type if uses else "cpu"
+        autocast = _Autocast(device_type, mp.param_dtype)
+        for m in {id(u.module): u.module for u in uses if isinstance(u.module, mp.low_precision_modules)}.values():
+            m.register_forward_pre_hook(autocast.pre)
+            m.register_forward_hook(autocast.post, always_call=True)
+    module._tracedac_zero = Sharded(group, active, keys, [u.fqn for u in uses], mp)
+    return module
 
-    # Every (unit, module, attribute) reading a parameter, in module order; a shared
-    # parameter belongs to the unit it first appears in.
-    seen: list = []
+
+class _Use:
+    """One module attribute reading a parameter, and the unit whose forward runs it."""
+
+    __slots__ = ("unit", "fqn", "module", "attr", "param")
+
+    def __init__(self, unit, fqn, module, attr, param):
+        self.unit, self.fqn, self.module, self.attr, self.param = unit, fqn, module, attr, param
+
+
+def _uses(module: nn.Module, chosen: dict) -> list[_Use]:
+    """Every (module, attribute) reading a parameter, in state_dict order, with its unit.
+    Not deduplicated: a shared parameter or module appears once per place, as in state_dict."""
+    uses = []
 
     def walk(prefix, m, unit):
         for attr, p in m._parameters.items():
             if p is not None:
-                seen.append((unit, prefix + attr, m, attr, p))
+                uses.append(_Use(unit, prefix + attr, m, attr, p))
         for child_name, child in m._modules.items():
             if child is not None:
                 walk(f"{prefix}{child_name}.", child, chosen.get(id(child), unit))
 
     walk("", module, "")
-    for _, fqn, _, _, p in seen:
-        if p.dtype != torch.float32 or p.is_sparse:
-            raise ZeroError(
-                f"parameter {fqn!r} is {p.dtype}{' sparse' if p.is_sparse else ''}; shard() keeps dense "
-                "fp32 shards. Build the model in float32 and pass mixed_precision="
-                "MixedPrecision(...) to compute in bf16."
-            )
-    _check_same_models([(u, fqn, tuple(p.shape), str(p.dtype), p.requires_grad) for u, fqn, _, _, p in seen], group)
+    return uses
 
+
+def _make_flats(uses, units: dict, group, mp, timeout, state) -> dict:
+    """Each unit's flat groups and this rank's shards of them; returns id(param) -> (flat, piece).
+
+    A parameter belongs to the unit it first appears in, and travels in ``param_dtype``
+    only if every module reading it is low precision.
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mp = mixed_precision
-    low = {}  # id(param) -> whether every module reading it is low precision
-    for _, _, m, _, p in seen:
-        is_low = mp is not None and isinstance(m, mp.low_precision_modules)
-        low[id(p)] = low.get(id(p), True) and is_low
-    state = Prefetch(prefetch)
-    modules = {"": module}
-    modules.update({name: module.get_submodule(name) for name in chosen.values()})
-    unit_objs: dict[str, Unit] = {}
-    owner: dict[int, tuple] = {}  # id(param) -> (FlatParam, piece)
-    members: dict[tuple, list] = {}  # (unit, dtype, requires_grad) -> params, in order
-    for u, fqn, _, _, p in seen:
-        if id(p) in owner:
-            continue
-        owner[id(p)] = None
-        dtype = mp.param_dtype if mp is not None and low[id(p)] else torch.float32
-        members.setdefault((u, dtype, p.requires_grad), []).append(p)
-    for (u, dtype, requires_grad), params in members.items():
-        unit = unit_objs.get(u) or unit_objs.setdefault(u, Unit(u, modules[u]))
+    low: dict[int, bool] = {}
+    for u in uses:
+        is_low = mp is not None and isinstance(u.module, mp.low_precision_modules)
+        low[id(u.param)] = low.get(id(u.param), True) and is_low
+    members: dict[tuple, dict] = {}  # (unit, dtype, requires_grad) -> {id: param}, in order
+    first: set[int] = set()
+    for u in uses:
+        if id(u.param) not in first:
+            first.add(id(u.param))
+            dtype = mp.param_dtype if low[id(u.param)] else torch.float32
+            members.setdefault((u.unit, dtype, u.param.requires_grad), {})[id(u.param)] = u.param
+    owner = {}
+    for (name, dtype, requires_grad), params in members.items():
+        unit, params = units[name], list(params.values())
         sizes = [p.numel() for p in params]
         numel = sum(sizes)
-        per_rank = -(-numel // world)
+        per_rank = -(-numel // world)  # padded to a multiple of the world size
         with torch.no_grad():
             full = torch.cat([p.detach().reshape(-1) for p in params] + [params[0].new_zeros(per_rank * world - numel)])
-            local = full[rank * per_rank:(rank + 1) * per_rank].clone()
-        shard_param = nn.Parameter(local, requires_grad=requires_grad)
+            shard_param = nn.Parameter(full[rank * per_rank:(rank + 1) * per_rank].clone(), requires_grad=requires_grad)
         index = len(unit.own)
         unit.module.register_parameter(f"{FLAT_PREFIX}{index}", shard_param)
         kind = f"{'trainable' if requires_grad else 'frozen'} {str(dtype).removeprefix('torch.')}"
-        flat = FlatParam(f"unit {u or '<root>'!r} ({kind} parameters)", shard_param, numel, dtype,
+        flat = FlatParam(f"unit {name or '<root>'!r} ({kind} parameters)", shard_param, numel, dtype,
                          mp.reduce_dtype if mp is not None else torch.float32, group, timeout, state)
-        flat.sizes = sizes + [per_rank * world - numel]
-        flat.fqn = f"{u}.{FLAT_PREFIX}{index}" if u else f"{FLAT_PREFIX}{index}"
-        flat.params = []  # (fqns, offset, shape) per parameter, for state dicts
+        flat.sizes = sizes + [per_rank * world - numel]  # how the gathered buffer splits
+        flat.fqn = f"{name}.{FLAT_PREFIX}{index}" if name else f"{FLAT_PREFIX}{index}"
+        flat.params = []  # (every key of the parameter, offset, shape): for state dicts
         offset = 0
         for piece, p in enumerate(params):
             owner[id(p)] = (flat, piece)
             flat.params.append(([], offset, tuple(p.shape)))
             offset += p.numel()
         unit.own.append(flat)
+    return owner
+
+
+def _attach(uses, units: dict, owner: dict) -> None:
+    """Point every use at its piece of a gathered group; replace the parameters by placeholders."""
+    for unit in units.values():
+        unit.flats = list(unit.own)
     placeholders: dict[int, torch.Tensor] = {}
     done: set = set()
-    for u, fqn, m, attr, p in seen:
-        unit = unit_objs.get(u) or unit_objs.setdefault(u, Unit(u, modules[u]))
-        flat, piece = owner[id(p)]
-        flat.params[piece][0].append(fqn)
-        if (id(m), attr) in done:
-            continue  # a module reached twice (shared): one attribute, set once
-        done.add((id(m), attr))
-        if not unit.flats:
-            unit.flats = list(unit.own)
+    for u in uses:
+        unit = units[u.unit]
+        flat, piece = owner[id(u.param)]
+        flat.params[piece][0].append(u.fqn)
+        if (id(u.module), u.attr) in done:
+            continue  # a module reached twice (shared): one attribute, set by its first unit
+        done.add((id(u.module), u.attr))
         if flat not in unit.flats:
             unit.flats.append(flat)  # a parameter shared with an earlier unit: gather its group too
-        if id(p) not in placeholders:
-            placeholders[id(p)] = torch.empty(p.shape, dtype=p.dtype, device="meta")
-        unit.slots.append(_Slot(m, attr, fqn, unit.flats.index(flat), piece, tuple(p.shape), placeholders[id(p)]))
-    for _, _, m, attr, _ in seen:
-        m._parameters.pop(attr, None)  # the attribute becomes a placeholder, then a view in forward
-    units_list = list(unit_objs.values())
-    if "" in unit_objs and unit_objs[""].own:
-        unit_objs[""].root = True
-    for unit in units_list:
-        for s in unit.slots:
-            s.module.__dict__[s.attr] = s.placeholder
-        unit.module.register_forward_pre_hook(unit.pre)
-        unit.module.register_forward_hook(unit.post, always_call=True)
-    if mp is not None:
-        device_type = next((f.shard.device.type for u in units_list for f in u.own), "cpu")
-        autocast = _Autocast(device_type, mp.param_dtype)
-        for m in {id(m): m for _, _, m, _, _ in seen if isinstance(m, mp.low_precision_modules)}.values():
-            m.register_forward_pre_hook(autocast.pre)
-            m.register_forward_hook(autocast.post, always_call=True)
-    module._tracedac_zero = Sharded(group, units_list, keys, [fqn for _, fqn, _, _, _ in seen], mp)
-    return module
+        shape = tuple(u.param.shape)
+        placeholder = placeholders.get(id(u.param))
+        if placeholder is None:  # shape readable, no memory, fails loudly if computed with
+            placeholder = placeholders[id(u.param)] = torch.empty(shape, device="meta")
+        unit.slots.append(_Slot(u.module, u.attr, u.fqn, unit.flats.index(flat), piece, shape, placeholder))
+    for u in uses:
+        u.module._parameters.pop(u.attr, None)
+        u.module.__dict__[u.attr] = placeholders[id(u.param)]
