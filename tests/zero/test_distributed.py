@@ -76,10 +76,12 @@ def test_gathers_are_prefetched_and_none_is_wasted(two_ranks, where):
 
 
 def test_bf16_trains_close_to_fp32_and_gathers_at_most_055_of_the_bytes(two_ranks):
+    """Only Linear parameters travel in bf16; the LayerNorms, the odd and frozen ones stay fp32."""
     for result in _part(two_ranks, "mixed"):
-        (fp32_diff, fp32_bytes), (bf16_diff, bf16_bytes) = result["fp32"], result["bf16"]
-        assert fp32_diff < 1e-5
-        assert bf16_diff < 5e-2, result
+        (fp32_error, fp32_bytes), (bf16_error, bf16_bytes) = result["fp32"], result["bf16"]
+        assert fp32_error < 1e-6
+        assert 0 < bf16_error < 2e-2, result
+        assert 0 < result["bf16-reduce"][0] < 2e-2, result  # gradients reduce-scattered in bf16 too
         assert bf16_bytes <= 0.55 * fp32_bytes, result
 
 
