@@ -192,3 +192,25 @@ def test_a_model_whose_root_has_no_parameters_shards_trains_and_counts_its_passe
         for _ in range(5):
             m(x)
     assert len(state.current) == 2
+
+
+@pytest.mark.parametrize("where", ["plain", "inside-unit"])
+def test_each_backward_of_a_retained_graph_gathers_each_group_once_and_frees_it(world1, where):
+    m = w.with_checkpoint(w.model(), where)
+    x, y = w.data(0)
+    loss = F.mse_loss(m(x), y)
+    counts = []
+    for _ in range(2):
+        log = w.GatherLog()
+        try:
+            loss.backward(retain_graph=True)
+        finally:
+            log.close()
+        counts.append(dict(log.counts))
+        assert log.alive() == 0, "a gathered buffer outlived the backward that needed it"
+    assert counts[0] == counts[1] and counts[0]
+    once = w.model()
+    F.mse_loss(once(x), y).backward()
+    grads = w.full_grads(m)
+    expected = torch.cat([p.grad.flatten() for _, p in sorted(once.named_parameters()) if p.grad is not None])
+    torch.testing.assert_close(grads, 2 * expected)

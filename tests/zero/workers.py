@@ -186,7 +186,7 @@ def full_grads(m) -> torch.Tensor:
         if f.shard.grad is None:
             continue
         full = torch.empty(f.world * f.shard_numel)
-        dist.all_gather_into_tensor(full, f.shard.grad)
+        zops._all_gather(full, f.shard.grad)
         for fqns, offset, shape in f.params:
             grads[fqns[0]] = full[offset:offset + torch.Size(shape).numel()]
     return torch.cat([grads[k] for k in sorted(grads)])

@@ -260,21 +260,25 @@ class Gathered:
     """One gather done by a unit's forward, and the handles autograd saved on its buffer.
 
     In backward the first handle unpacked gathers the group again; the buffer is cached
-    until the last handle waiting for it has been unpacked (or dropped), then let go: each
-    unit is gathered once per backward and freed after its last use.
+    until every live handle has been unpacked in this backward (or dropped), then let go:
+    each unit is gathered once per backward and freed after its last use. A later backward
+    of the same graph (``retain_graph=True``) starts a new round and does the same.
     """
 
-    __slots__ = ("flat", "full", "waiting", "cached", "__weakref__")
+    __slots__ = ("flat", "full", "alive", "remaining", "round", "cached", "__weakref__")
 
     def __init__(self, flat: FlatParam, full: torch.Tensor):
         self.flat = flat
         self.full = full  # until release
-        self.waiting = 0  # handles packed and not yet unpacked or dropped
+        self.alive = 0  # handles not yet garbage collected
+        self.remaining = 0  # of those, how many this round has not unpacked yet
+        self.round = 0
         self.cached = None  # the buffer gathered again in backward
         _LIVE[_address(full)] = self
 
     def handle(self, t: torch.Tensor) -> Handle:
-        self.waiting += 1
+        self.alive += 1
+        self.remaining += 1
         return Handle(self, t.size(), t.stride(), t.storage_offset())
 
     def regather(self) -> torch.Tensor:
@@ -283,34 +287,40 @@ class Gathered:
                 self.cached = torch.ops.tracedac.all_gather(self.flat.shard, self.flat.key)
         return self.cached
 
-    def done(self) -> None:
-        self.waiting -= 1
-        if self.waiting <= 0:
+    def done(self, handle: Handle, dropped: bool) -> None:
+        """``handle`` was unpacked or garbage collected: after the round's last, free the buffer."""
+        if dropped:
+            self.alive -= 1
+        if handle.round != self.round:
+            return  # already unpacked in this round
+        handle.round += 1  # wanted again in the next round
+        self.remaining -= 1
+        if self.remaining <= 0:
             self.cached = None
+            self.round += 1
+            self.remaining = self.alive
 
 
 class Handle:
     """What autograd (or a checkpoint region) holds for a tensor on a gathered buffer."""
 
-    __slots__ = ("entry", "size", "stride", "offset", "used")
+    __slots__ = ("entry", "size", "stride", "offset", "round")
 
     def __init__(self, entry: Gathered, size, stride, offset):
         self.entry = entry
         self.size, self.stride, self.offset = size, stride, offset
-        self.used = False
+        self.round = entry.round  # the first round (backward) it has not been unpacked in
 
     def unpack(self) -> torch.Tensor:
         entry = self.entry
-        full = entry.full if entry.full is not None else entry.regather()
-        view = full.as_strided(self.size, self.stride, self.offset)
-        if not self.used:
-            self.used = True
-            entry.done()
+        if entry.full is not None:  # the forward is still running: nothing was released
+            return entry.full.as_strided(self.size, self.stride, self.offset)
+        view = entry.regather().as_strided(self.size, self.stride, self.offset)
+        entry.done(self, dropped=False)
         return view
 
     def __del__(self):
-        if not self.used:
-            self.entry.done()
+        self.entry.done(self, dropped=True)
 
 
 def handle_for(t: torch.Tensor) -> Handle | None:
