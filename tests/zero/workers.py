@@ -69,7 +69,8 @@ def train(m, rank, world, steps=3, clip=None, opt_cls=torch.optim.Adam):
         loss = F.mse_loss(m(x), y)
         loss.backward()
         if clip is not None:
-            norm = zero.clip_grad_norm_(m, clip) if hasattr(m, "_tracedac_zero") else nn.utils.clip_grad_norm_(m.parameters(), clip)
+            sharded = hasattr(m, "_tracedac_zero")
+            norm = zero.clip_grad_norm_(m, clip) if sharded else nn.utils.clip_grad_norm_(m.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return norm if clip is not None else None
@@ -173,7 +174,8 @@ def memory(rank, world):
         # how many units gather each group: its owner, and units borrowing a shared parameter
         users = collections.Counter(f.key for u in z.units for f in u.flats)
         out[where] = dict(alive=alive_after_forward, forward=forward, backward=backward, users=dict(users),
-                          live=len(zops._LIVE), starts=log.starts, prefetched=log.prefetched, grads=all(f.shard.grad is not None for f in z.flats if f.shard.requires_grad))
+                          live=len(zops._LIVE), starts=log.starts, prefetched=log.prefetched,
+                          grads=all(f.shard.grad is not None for f in z.flats if f.shard.requires_grad))
     return out
 
 

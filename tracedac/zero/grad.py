@@ -29,7 +29,9 @@ def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0) -> torch.Te
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=z.group)
         total = local
     else:
-        local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device))
+        local = torch.zeros((), dtype=torch.float64, device=device)  # sums in fp64: many shards, one norm
+        for g in grads:
+            local += g.double().abs().pow(norm_type).sum()
         dist.all_reduce(local, group=z.group)
         total = local.pow(1.0 / norm_type).float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -48,7 +48,9 @@ class MixedPrecision:
                 raise TypeError(f"MixedPrecision({field}=...) takes torch.float32, bfloat16 or float16, got {value!r}")
         mods = self.low_precision_modules
         if not isinstance(mods, tuple) or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in mods):
-            raise TypeError(f"MixedPrecision(low_precision_modules=...) takes a tuple of nn.Module classes, got {mods!r}")
+            raise TypeError(
+                f"MixedPrecision(low_precision_modules=...) takes a tuple of nn.Module classes, got {mods!r}"
+            )
 
 
 class _Slot:
@@ -256,7 +258,8 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     uses = _uses(module, chosen)
     # Compared before anything a rank could refuse alone: a rank raising early would
     # leave the others waiting in this collective.
-    _check_same_models([(u.unit, u.fqn, tuple(u.param.shape), str(u.param.dtype), u.param.requires_grad) for u in uses], group)
+    meta = [(u.unit, u.fqn, tuple(u.param.shape), str(u.param.dtype), u.param.requires_grad) for u in uses]
+    _check_same_models(meta, group)
     for u in uses:
         if u.param.dtype != torch.float32 or u.param.is_sparse:
             raise ZeroError(
