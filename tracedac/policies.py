@@ -23,7 +23,9 @@ from .errors import CheckpointError
 __all__ = [
     "CheckpointPolicy",
     "MATMUL_OPS",
+    "RECOMPUTE_OPS",
     "either",
+    "recompute_by_default",
     "recompute_all",
     "save_all",
     "save_matmuls",

@@ -214,3 +214,9 @@ def test_each_backward_of_a_retained_graph_gathers_each_group_once_and_frees_it(
     grads = w.full_grads(m)
     expected = torch.cat([p.grad.flatten() for _, p in sorted(once.named_parameters()) if p.grad is not None])
     torch.testing.assert_close(grads, 2 * expected)
+
+
+def test_recompute_by_default_names_the_gather_and_refuses_a_packet():
+    assert id(torch.ops.tracedac.all_gather.default) in policies.RECOMPUTE_OPS
+    with pytest.raises(TypeError, match="OpOverload"):
+        policies.recompute_by_default(torch.ops.tracedac.all_gather, "a packet, not an overload")
