@@ -220,3 +220,13 @@ def test_recompute_by_default_names_the_gather_and_refuses_a_packet():
     assert id(torch.ops.tracedac.all_gather.default) in policies.RECOMPUTE_OPS
     with pytest.raises(TypeError, match="OpOverload"):
         policies.recompute_by_default(torch.ops.tracedac.all_gather, "a packet, not an overload")
+
+
+def test_nested_units_each_gather_their_own_parameters(world1):
+    """units=(Block, nn.Linear): the Linears inside a block are units of their own."""
+    ref, _ = w.reference()
+    m = zero.shard(w.model(), units=(w.Block, nn.Linear))
+    names = [u.name for u in m._tracedac_zero.units]
+    assert {"", "embed", "blocks.0", "blocks.0.lin1", "blocks.1.lin2"} <= set(names)
+    w.train(m, 0, 1)
+    assert w.max_diff(zero.full_state_dict(m), ref) < 1e-5
