@@ -77,8 +77,7 @@ class AllGatherCounter(TorchDispatchMode):
         key = "CUDA" if "cuda" in devices else "CPU"
         # The computed table: a custom op registers its kernel as CompositeExplicitAutograd.
         if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), key):
-            # No kernel behind the Python key (say, a meta-only or Python-key-only op): run it
-            # as any other op; it cannot hide a collective from us in a body we could enter.
+            # No device kernel to enter (a meta-only or Python-key-only op): run it as any other.
             return func(*args, **kwargs)
         with self:
             return func.redispatch(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)), *args, **kwargs)
