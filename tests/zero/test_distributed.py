@@ -127,3 +127,9 @@ def test_a_rank_that_dies_makes_the_others_fail_within_the_timeout():
     elapsed, message = results[0]
     assert message is not None and "all-gather" in message and "rank 0 of 2" in message, message
     assert elapsed < 3 + 5
+
+
+def test_a_rank_that_never_reaches_shard_makes_the_others_fail_within_the_timeout():
+    elapsed, message = run_ranks(w.absent_rank, 2, timeout=60)[0]
+    assert message is not None and "shard()" in message and "within 2 s" in message and "Ranks 1" in message, message
+    assert elapsed < 2 + 5

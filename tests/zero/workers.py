@@ -282,3 +282,16 @@ def several(rank, world, parts):
         except Exception:
             out[name] = ("error", traceback.format_exc())
     return out
+
+
+def absent_rank(rank, world):
+    """Rank 1 never calls shard(): rank 0 raises within shard's timeout."""
+    if rank == 1:
+        time.sleep(4)  # alive, but elsewhere, past rank 0's timeout
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        zero.shard(model(), timeout=2)
+    except zero.ZeroError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None

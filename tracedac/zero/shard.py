@@ -200,6 +200,21 @@ def _timeout(timeout):
     raise TypeError(f"shard(timeout=...) takes seconds (a positive number) or a datetime.timedelta, got {timeout!r}")
 
 
+def _arrive(group, timeout) -> None:
+    """Wait until every rank has reached shard(), for at most ``timeout`` (gloo's
+    monitored_barrier names the ranks missing; other backends wait their group's timeout)."""
+    if timeout is None or dist.get_backend(group) != "gloo":
+        return
+    try:
+        dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as e:
+        raise ZeroError(
+            f"rank {dist.get_rank(group)}: not every rank reached tracedac.zero.shard() within "
+            f"{timeout.total_seconds():g} s ({e}). A rank died or runs different code before "
+            "shard(); look at its error first."
+        ) from e
+
+
 def _check_same_models(meta: list, group) -> None:
     """Every rank must shard the same parameters: compare (unit, name, shape, dtype) lists."""
     world = dist.get_world_size(group)
@@ -259,6 +274,7 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     # Compared before anything a rank could refuse alone: a rank raising early would
     # leave the others waiting in this collective.
     meta = [(u.unit, u.fqn, tuple(u.param.shape), str(u.param.dtype), u.param.requires_grad) for u in uses]
+    _arrive(group, timeout)
     _check_same_models(meta, group)
     for u in uses:
         if u.param.dtype != torch.float32 or u.param.is_sparse:
