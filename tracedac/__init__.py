@@ -20,3 +20,12 @@ __all__ = [
     "trade_off",
     "wrap",
 ]
+
+
+def __getattr__(name: str):
+    # tracedac.zero imports torch.distributed: loaded when first asked for, not at import.
+    if name == "zero":
+        import importlib
+
+        return importlib.import_module(".zero", __name__)
+    raise AttributeError(f"module 'tracedac' has no attribute {name!r}")

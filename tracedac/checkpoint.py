@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .errors import CheckpointError
 from .graph import RegionGraph
 from .planners import Planning, input_signature, planner_of
-from .policies import check_policy, decision, is_save, recompute_all
+from .policies import RECOMPUTE_OPS, check_policy, decision, is_save, recompute_all
 from .replay import Slot, plan
 from .trace import TracerMode, track_modules
 
@@ -42,6 +42,20 @@ _UNUSED = (None,)
 
 def _unpack(handle):
     return handle.unpack()
+
+
+# Owners of tensors from outside any region that they can rebuild on request: each has
+# ``owns(t) -> bool`` and ``handle(t)`` (whose ``unpack()`` returns a tensor on an equal
+# storage). A region holds such a handle instead of the tensor, so reading it does not pin
+# it. tracedac.zero adds one: a gathered parameter is gathered again in backward.
+REBUILDERS: list = []
+
+
+def _owner(t: torch.Tensor):
+    for r in REBUILDERS:
+        if r.owns(t):
+            return r
+    return None
 
 
 class Region:
@@ -91,6 +105,8 @@ class Region:
     def decide(self, node) -> bool:
         """Decide ``node`` (``node.decision``); whether to hold its result until the region ends."""
         d = self.constant or decision(self.policy, node)
+        if d is not CheckpointPolicy.MUST_SAVE and id(node.op) in RECOMPUTE_OPS:
+            d = CheckpointPolicy.MUST_RECOMPUTE  # a ZeRO-3 gather: only MUST_SAVE keeps it
         if self.planning is not None:
             return self.planning.decide(node, d)
         node.decision = d
@@ -125,10 +141,12 @@ class Region:
         meta = self.tracer._meta(t)  # usually cached: an argument or result of the op just recorded
         g = self.graph.groups[meta.group]
         if g.creator is None and not g.mutations:
-            if t is not g.external or (self.parent is not None and self.parent.can_rebuild(t)):
+            if (t is not g.external or (self.parent is not None and self.parent.can_rebuild(t))
+                    or (REBUILDERS and _owner(t) is not None)):
                 # A view made in the region of an input (an expert's slice of a weight) is
                 # rebuilt from the input's storage rather than pinned with its autograd node;
-                # an input an enclosing region computed, through that region's handle.
+                # an input an enclosing region computed (or a REBUILDERS owner can rebuild),
+                # through that one's handle.
                 return Slot(self.graph, meta)
             # An input as it came in: kept as eager keeps it. If the region writes it later,
             # region exit plans its replay from the copy taken before the write.
@@ -211,13 +229,22 @@ class Region:
 
     def _hand_inputs_to_parent(self) -> None:
         """An input of a nested region that the enclosing region computed is held as the
-        enclosing region's handle, so it is replayed rather than pinned."""
+        enclosing region's handle, so it is replayed rather than pinned; an input a
+        ``REBUILDERS`` owner can rebuild (a gathered parameter), as that owner's handle."""
         parent = self.parent
-        if parent is None or parent.tracer is None:
+        if parent is not None and parent.tracer is None:
+            parent = None
+        if parent is None and not REBUILDERS:
             return
         for g in self.graph.groups:
-            if g.external is not None and not g.mutations and parent.can_rebuild(g.external):
+            if g.external is None or g.mutations:
+                continue
+            if parent is not None and parent.can_rebuild(g.external):
                 g.outer, g.external = parent.pack(g.external), None
+            elif REBUILDERS:
+                owner = _owner(g.external)
+                if owner is not None:  # a handle no plan uses is dropped by _release
+                    g.outer, g.external = owner.handle(g.external), None
 
     def _release(self, p, kept_groups: set) -> None:
         """Drop every source, generator state and record the plan ``p`` does not use."""

@@ -26,9 +26,11 @@ from .planners import MemoryBudget, MinCut, Planner
 __all__ = [
     "CheckpointPolicy",
     "MATMUL_OPS",
+    "RECOMPUTE_OPS",
     "either",
     "memory_budget",
     "min_cut",
+    "recompute_by_default",
     "recompute_all",
     "save_all",
     "save_matmuls",
@@ -54,6 +56,20 @@ MATMUL_OPS: dict[OpOverloadPacket, str] = {
     aten._scaled_dot_product_cudnn_attention: "attention (cuDNN kernel): as flash",
     aten._scaled_dot_product_flash_attention_for_cpu: "attention (CPU flash kernel): as flash",
 }
+
+
+# Ops a region replays unless a policy returns MUST_SAVE for them: their node's decision
+# becomes MUST_RECOMPUTE whatever a PREFER policy (save_all(), a planner) said. id(op) ->
+# (op, why). tracedac.zero registers its all-gather here when imported: keeping a gathered
+# parameter would pin the full unit, which is what ZeRO-3 exists to avoid.
+RECOMPUTE_OPS: dict[int, tuple] = {}
+
+
+def recompute_by_default(op: OpOverload, reason: str) -> None:
+    """Make ``op``'s nodes MUST_RECOMPUTE unless a policy says MUST_SAVE (see ``RECOMPUTE_OPS``)."""
+    if not isinstance(op, OpOverload):
+        raise TypeError(f"recompute_by_default() takes an OpOverload (torch.ops.ns.op.default), got {op!r}")
+    RECOMPUTE_OPS[id(op)] = (op, reason)
 
 
 def _packet(op):

@@ -1,10 +1,11 @@
 """``python -m tracedac.bench``: compare tracedac with torch's checkpointing and print the figures.
 
 By default it runs the checkpointing comparison on the embedded MoE model (see
-``checkpointing``); ``--kernels`` runs the kernel benchmark instead. Progress goes to
-stderr, the table to stdout, and ``--json PATH`` writes every figure. ``--planners`` runs
-the planner benchmark (``planners``: ``memory_budget`` against torch.compile's
-``activation_memory_budget`` on a small Llama) instead. Targets that are
+``checkpointing``); ``--kernels`` runs the kernel benchmark instead; ``--planners`` the
+planner benchmark (``planners``: ``memory_budget`` against torch.compile's
+``activation_memory_budget`` on a small Llama); and ``--zero``, under
+``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``). Progress goes to
+stderr, the table to stdout, and ``--json PATH`` writes every figure. Targets that are
 missed are marked FAIL in the output; the exit status stays 0, since a slow machine is not
 an error.
 """
@@ -39,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--vocab", type=int, default=default.vocab, help="vocabulary size (%(default)s)")
     size.add_argument("--batch", type=int, default=default.batch, help="sequences per step (%(default)s)")
     size.add_argument("--seq", type=int, default=default.seq, help="tokens per sequence (%(default)s)")
-    p.add_argument("--steps", type=int, help="timed steps per variant, after one untimed (8; 3 with --planners)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant, after one untimed "
+                   "(8; 3 with --planners; 4 with --zero, whose bf16 steps take seconds on CPUs without AVX512-BF16)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (%(default)s)")
     p.add_argument("--quick", action="store_true", help="a tiny built-in model (size flags are ignored) and at most two steps: "
                    "checks the set-up in seconds")
@@ -48,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the planner benchmark instead: memory_budget at budgets 0.0 to 1.0 against "
                    "torch.compile's activation_memory_budget on a 2-layer Llama (size flags are ignored; "
                    "--steps, --quick, --json, --quiet, --system-malloc apply)")
+    p.add_argument("--zero", action="store_true", help="compare ZeRO-3 implementations instead; run it as "
+                   "`torchrun --nproc-per-node 2 -m tracedac.bench --zero`")
+    p.add_argument("--init-method", default="env://", help="with --zero: the process group's rendezvous "
+                   "(%(default)s, as torchrun sets it; or file:///PATH, with RANK and WORLD_SIZE in the environment)")
     p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--system-malloc", action="store_true",
@@ -72,6 +78,8 @@ def _write_json(path: str, figures: dict) -> None:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.steps is None and not (args.zero or args.planners):
+        args.steps = 8
     if args.kernels:
         try:
             from . import kernels  # imported here: it may need packages the comparison does not
@@ -94,6 +102,8 @@ def main(argv=None) -> int:
         figures = planners.run(steps=steps, quick=args.quick, progress=None if args.quiet else sys.stderr,
                                system_malloc=args.system_malloc)
         print(planners.format_report(figures))
+    elif args.zero:
+        return _zero(parser, args)
     else:
         from . import checkpointing, probe
 
@@ -108,6 +118,31 @@ def main(argv=None) -> int:
         print(checkpointing.format_report(figures))
     if args.json:
         _write_json(args.json, figures)
+    return 0
+
+
+def _zero(parser: argparse.ArgumentParser, args) -> int:
+    from . import probe, zero  # zero imports torch.distributed: only when asked for
+
+    if args.steps is None:
+        args.steps = zero.STEPS
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        parser.error(zero.NOT_DISTRIBUTED)
+    try:
+        zero.check_settings(zero.QUICK if args.quick else _config(args), args.steps, args.device,
+                            int(os.environ["WORLD_SIZE"]))
+    except (ValueError, probe.ProbeUnavailable) as e:
+        parser.error(str(e))
+    rank = zero.init(args.init_method)
+    try:
+        figures = zero.run(_config(args), steps=args.steps, quick=args.quick,
+                           progress=None if args.quiet else sys.stderr, system_malloc=args.system_malloc)
+    finally:
+        zero.finish()
+    if rank == 0:  # one table and one file, however many ranks
+        print(zero.format_report(figures))
+        if args.json:
+            _write_json(args.json, figures)
     return 0
 
 

@@ -1,0 +1,163 @@
+"""``--zero`` on two ranks in --quick mode: it runs, and its figures are there and agree.
+
+The ranks are two processes started here with a file-based rendezvous in a temporary
+directory (no port to collide with), each under a hard timeout so that a rank stuck in a
+collective fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tracedac.bench import zero
+from tracedac.bench.__main__ import main
+
+TIMEOUT_S = 120
+ALWAYS = ("replicated", "tracedac_fp32", "fsdp2_fp32", "tracedac_bf16", "fsdp2_bf16")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One ``--zero --quick`` run on 2 ranks: (figures from --json, rank 0's and rank 1's stdout)."""
+    tmp = tmp_path_factory.mktemp("zero")
+    figures = tmp / "figures.json"
+    procs, logs = [], []
+    for rank in range(2):
+        # One thread per rank, as torchrun sets it: two ranks share this machine's cores.
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   OMP_NUM_THREADS="1")
+        out, err = open(tmp / f"rank{rank}.out", "w+"), open(tmp / f"rank{rank}.err", "w+")  # files: no pipe to fill
+        logs.append((out, err))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tracedac.bench", "--zero", "--quick", "--init-method", f"file://{tmp / 'init'}",
+             "--json", str(figures)],
+            env=env, stdout=out, stderr=err, text=True,
+        ))
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for (out, err), p in zip(logs, procs):
+        out.seek(0), err.seek(0)
+        texts.append((out.read(), err.read()))
+        out.close(), err.close()
+    for rank, (p, (_, err)) in enumerate(zip(procs, texts)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode} (killed after {TIMEOUT_S} s if -9):\n{err[-3000:]}"
+    return json.loads(figures.read_text()), texts[0][0], texts[1][0]
+
+
+def rows(figures) -> dict:
+    return {r["key"]: r for r in figures["variants"]}
+
+
+def test_rank_0_prints_the_table_and_the_other_rank_stays_quiet(quick):
+    _, rank0, rank1 = quick
+    assert "targets:" in rank0 and "FSDP2 bf16" in rank0
+    assert rank1 == ""
+
+
+def test_the_json_has_every_figure(quick):
+    figures, _, _ = quick
+    assert {"config", "steps", "world_size", "units", "variants", "targets", "wall_s", "torch"} <= figures.keys()
+    assert figures["world_size"] == 2
+    for row in figures["variants"]:
+        assert {"key", "label", "library", "precision", "status"} <= row.keys()
+        if row["status"] == "ok":
+            assert {"step_s", "step_times_s", "step_vs_fsdp2", "bytes_held", "bytes_fixed", "full_unit_held",
+                    "all_gather_bytes", "all_gather_calls", "loss", "loss_diff"} <= row.keys()
+
+
+def test_every_variant_runs_or_says_why_not_and_its_numbers_are_finite(quick):
+    figures, _, _ = quick
+    by = rows(figures)
+    for key in ALWAYS:
+        assert by[key]["status"] == "ok", (key, by[key]["status"])
+    for row in figures["variants"]:
+        if row["status"] != "ok":
+            # DeepSpeed is optional; when absent or broken the row says so and the rest runs.
+            assert row["library"] == "deepspeed" and row["status"].startswith(("not installed", "failed")), row
+            continue
+        assert len(row["step_times_s"]) == figures["steps"]
+        for value in (row["step_s"], row["bytes_held"], row["bytes_fixed"], row["loss"], row["loss_diff"]):
+            assert math.isfinite(value)
+        assert row["step_s"] > 0 and row["bytes_held"] > 0
+    assert by["fsdp2_fp32"]["step_vs_fsdp2"] == by["fsdp2_bf16"]["step_vs_fsdp2"] == 1.0
+
+
+def test_losses_agree_with_the_replicated_run(quick):
+    """Sharding must not change the training: fp32 ZeRO-3 is the replicated run up to
+    reduction order; bf16 (and DeepSpeed, whose optimizer wrapper differs) stay close."""
+    by = rows(quick[0])
+    for key in ("tracedac_fp32", "fsdp2_fp32"):
+        assert by[key]["loss_diff"] <= 1e-4, key
+    for row in quick[0]["variants"]:
+        if row["status"] == "ok":
+            assert row["loss_diff"] <= 0.05, row["key"]
+
+
+def test_the_all_gathers_of_every_sharded_variant_are_counted_including_inside_custom_ops(quick):
+    """tracedac's all-gathers run inside torch.library ops, which a dispatch mode does not
+    enter by itself; every parameter is gathered at least once per step."""
+    figures = quick[0]
+    param_bytes = 4 * sum(figures["units"].values())
+    by = rows(figures)
+    assert by["replicated"]["all_gather_bytes"] == {}
+    for key in ("tracedac_fp32", "fsdp2_fp32"):
+        assert by[key]["all_gather_bytes"]["float32"] >= param_bytes, key
+
+
+def test_bf16_all_gathers_move_at_most_0_55x_the_bytes_of_fp32(quick):
+    by = rows(quick[0])
+    for library in ("tracedac", "fsdp2"):
+        fp32 = by[f"{library}_fp32"]["all_gather_bytes_total"]
+        assert by[f"{library}_bf16"]["all_gather_bytes_total"] <= 0.55 * fp32, library
+    target = next(t for t in quick[0]["targets"] if "bf16 / fp32" in t["name"])
+    assert target["passed"] is True
+
+
+def test_each_target_is_reported_with_its_value_and_verdict(quick):
+    figures = quick[0]
+    text = zero.format_report(figures)
+    for target in figures["targets"]:
+        assert target["name"] in text
+        if target["passed"] is not None:
+            assert target["passed"] is (target["value"] <= target["limit"])
+    verdicts = [line for line in text.splitlines() if line.startswith(("  PASS ", "  FAIL ", "  n/a  "))]
+    assert len(verdicts) == len(figures["targets"])
+
+
+def test_without_torchrun_the_cli_says_how_to_run_it(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit:
+        main(["--zero", "--quick"])
+    assert exit.value.code == 2
+    assert "torchrun --nproc-per-node 2 -m tracedac.bench --zero" in capsys.readouterr().err
+
+
+def test_a_missing_deepspeed_shows_as_not_installed_and_the_rest_still_reports(quick):
+    figures = copy.deepcopy(quick[0])
+    for i, row in enumerate(figures["variants"]):
+        if row["library"] == "deepspeed":
+            figures["variants"][i] = {k: row[k] for k in ("key", "label", "library", "precision")}
+            figures["variants"][i]["status"] = "not installed (pip install deepspeed)"
+    text = zero.format_report(figures)
+    line = next(line for line in text.splitlines() if line.startswith("DeepSpeed ZeRO-3 bf16"))
+    assert "not installed" in line
+    assert "tracedac.zero bf16" in text and "targets:" in text

@@ -1,0 +1,135 @@
+"""tracedac.zero on real gloo process groups of 2 to 4 spawned ranks (file init, hard timeouts).
+
+Each rank trains on its slice of the batch with the loss averaged over its slice; the
+gradient is averaged over ranks (as DDP and FSDP do), so with equal slices sharded training
+equals single-process training on the combined batch. Starting a rank costs seconds, so
+a few spawns run several workers each (``workers.several``); every test reads its part.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import workers as w
+from .spawn import run_ranks
+
+VARIANTS = ("plain", "wrap-before", "wrap-after", "inside-unit")
+
+
+def _part(two_ranks, name):
+    results, _ = two_ranks
+    out = []
+    for rank, parts in enumerate(results):
+        kind, value = parts[name]
+        if kind == "error":
+            pytest.fail(f"{name} failed on rank {rank}:\n{value}")
+        out.append(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("dcp"))
+    parts = [("mismatched", ()), ("equivalence", (VARIANTS,)), ("memory", ()), ("mixed", ()), ("state_dicts", (tmp,))]
+    results = run_ranks(w.several, 2, parts, timeout=240)
+    return results, tmp
+
+
+def test_two_ranks_train_as_one_process_on_the_combined_batch_with_and_without_checkpoint_regions(two_ranks):
+    """Regions around the units (wrapped before or after sharding) and inside them; the
+    blocks count their calls in a buffer, which full_state_dict compares too: once per step."""
+    for result in _part(two_ranks, "equivalence"):
+        assert all(result[v] < 1e-5 for v in VARIANTS), result
+
+
+@pytest.mark.parametrize("world, variants", [(3, ("plain", "wrap-after")), (4, ("inside-unit",))])
+def test_three_and_four_ranks_train_as_one_process(world, variants):
+    for result in run_ranks(w.equivalence, world, variants, timeout=180):
+        assert all(result[v] < 1e-5 for v in variants), result
+
+
+@pytest.mark.parametrize("where", VARIANTS)
+def test_after_forward_no_gathered_buffer_is_alive(two_ranks, where):
+    for result in _part(two_ranks, "memory"):
+        r = result[where]
+        assert r["alive"] == 0 and r["live"] == 0, r
+        assert r["grads"]
+
+
+@pytest.mark.parametrize("where", VARIANTS)
+def test_backward_gathers_each_group_once_for_each_unit_that_uses_it(two_ranks, where):
+    """Frozen groups are never saved for backward, so they are not gathered again."""
+    for result in _part(two_ranks, "memory"):
+        r = result[where]
+        assert r["forward"] == r["users"], r
+        assert r["backward"], r
+        assert all(r["backward"][k] == r["users"][k] for k in r["backward"]), r
+
+
+@pytest.mark.parametrize("where", VARIANTS)
+def test_gathers_are_prefetched_and_none_is_wasted(two_ranks, where):
+    for result in _part(two_ranks, "memory"):
+        r = result[where]
+        gathers = sum(r["forward"].values()) + sum(r["backward"].values())
+        assert r["starts"] == gathers, r
+        assert r["prefetched"] >= gathers // 2, r
+
+
+def test_bf16_trains_close_to_fp32_and_gathers_at_most_055_of_the_bytes(two_ranks):
+    """Only Linear parameters travel in bf16; the LayerNorms, the odd and frozen ones stay fp32."""
+    for result in _part(two_ranks, "mixed"):
+        (fp32_error, fp32_bytes), (bf16_error, bf16_bytes) = result["fp32"], result["bf16"]
+        assert fp32_error < 1e-6
+        assert 0 < bf16_error < 2e-2, result
+        assert 0 < result["bf16-reduce"][0] < 2e-2, result  # gradients reduce-scattered in bf16 too
+        assert bf16_bytes <= 0.55 * fp32_bytes, result
+
+
+def test_state_dicts_round_trip_and_clipping_matches_torch(two_ranks):
+    for rank, r in enumerate(_part(two_ranks, "state_dicts")):
+        norm_diff, params_diff = r["clip"]
+        assert norm_diff < 1e-5 and params_diff < 1e-5, r["clip"]
+        assert r["keys"]
+        assert r["rank0_only"] == (31 if rank == 0 else 0)
+        roundtrips = {k: r[k] for k in ("full_roundtrip", "dcp_roundtrip", "after_step")}
+        assert roundtrips == dict.fromkeys(roundtrips, 0.0), roundtrips
+        shard_numel, total = r["numel"]
+        assert total / 2 <= shard_numel <= total / 2 + 2 * 8, r["numel"]  # 1/world, plus padding
+
+
+def test_a_dcp_checkpoint_saved_by_two_ranks_loads_into_one(two_ranks, tmp_path):
+    """The sharded form stores unpadded flat groups, so DCP can reshard it to another world size."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import tracedac.zero as zero
+
+    saved = _part(two_ranks, "state_dicts")[0]["saved"]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        m = zero.shard(w.model(seed=3))
+        sd = zero.sharded_state_dict(m)
+        dcp.load(sd, checkpoint_id=two_ranks[1])
+        zero.load_sharded_state_dict(m, sd)
+        loaded = zero.full_state_dict(m)
+        assert [k for k in saved if not (loaded[k] == saved[k]).all()] == []
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_models_are_refused_at_shard_time_naming_the_parameter(two_ranks):
+    for message in _part(two_ranks, "mismatched"):
+        assert message is not None and "embed.weight" in message and "(16, 16)" in message and "(20, 20)" in message
+
+
+def test_a_rank_that_dies_makes_the_others_fail_within_the_timeout():
+    results = run_ranks(w.dead_rank, 2, timeout=60)
+    elapsed, message = results[0]
+    assert message is not None and "all-gather" in message and "rank 0 of 2" in message, message
+    assert elapsed < 3 + 5
+
+
+def test_a_rank_that_never_reaches_shard_makes_the_others_fail_within_the_timeout():
+    elapsed, message = run_ranks(w.absent_rank, 2, timeout=60)[0]
+    assert message is not None and "shard()" in message and "within 2 s" in message and "Ranks 1" in message, message
+    assert elapsed < 2 + 5

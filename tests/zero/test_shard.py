@@ -1,0 +1,232 @@
+"""tracedac.zero in one process (a world-1 gloo group): the API, its errors, the op nodes."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import pytest
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+import tracedac
+import tracedac.zero as zero
+from tracedac import policies
+from tracedac.checkpoint import reporting
+
+from . import workers as w
+
+
+@pytest.fixture
+def world1(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shard_without_a_process_group_says_how_to_make_one():
+    assert not dist.is_initialized()
+    with pytest.raises(zero.ZeroError, match="init_process_group"):
+        zero.shard(w.model())
+
+
+def test_bad_arguments_are_refused_with_what_to_pass(world1):
+    with pytest.raises(TypeError, match="nn.Module"):
+        zero.shard("model")
+    with pytest.raises(ValueError, match="matched no submodule.*Block"):
+        zero.shard(w.model(), units=nn.Conv2d)
+    with pytest.raises(TypeError, match="units"):
+        zero.shard(w.model(), units="blocks")
+    with pytest.raises(TypeError, match="units"):
+        zero.shard(w.model(), units=(w.Block, int))
+    with pytest.raises(TypeError, match="MixedPrecision"):
+        zero.shard(w.model(), mixed_precision=torch.bfloat16)
+    with pytest.raises(TypeError, match="param_dtype"):
+        zero.MixedPrecision(param_dtype=torch.int8)
+    with pytest.raises(TypeError, match="timeout"):
+        zero.shard(w.model(), timeout=-1)
+    with pytest.raises(TypeError, match="group"):
+        zero.shard(w.model(), group="world")
+    with pytest.raises(zero.ZeroError, match="float32"):
+        zero.shard(w.model().to(torch.bfloat16))
+    m = zero.shard(w.model())
+    with pytest.raises(zero.ZeroError, match="already sharded"):
+        zero.shard(m)
+    with pytest.raises(zero.ZeroError, match="not sharded"):
+        zero.full_state_dict(w.model())
+    with pytest.raises(zero.ZeroError, match="missing keys"):
+        zero.load_full_state_dict(m, {})
+
+
+def test_parameters_are_the_flat_shards(world1):
+    m = zero.shard(w.model())
+    names = [n for n, _ in m.named_parameters()]
+    assert names and all(n.rpartition(".")[2].startswith("_tracedac_flat") for n in names)
+    assert all(p.dtype == torch.float32 and p.dim() == 1 for p in m.parameters())
+    # the modules show meta placeholders between forwards: shapes readable, no memory
+    assert m.blocks[0].lin1.weight.device.type == "meta" and m.blocks[0].lin1.weight.shape == (2 * w.D, w.D)
+    assert m.blocks[1].lin2.weight is m.blocks[0].lin2.weight
+
+
+def test_units_can_be_chosen_by_class_or_predicate(world1):
+    m = zero.shard(w.model(), units=w.Block)
+    assert [u.name for u in m._tracedac_zero.units] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    m = zero.shard(w.model(), units=lambda name, mod: name == "head")
+    assert [u.name for u in m._tracedac_zero.units] == ["", "head"]
+
+
+@pytest.mark.parametrize("where", ["plain", "wrap-before", "wrap-after", "inside-unit"])
+def test_one_rank_trains_exactly_as_the_unsharded_model(world1, where):
+    assert w.equivalence(0, 1, (where,))[where] < 1e-5
+
+
+def _gather_decisions(policy):
+    m = tracedac.wrap(zero.shard(w.model()), w.Block, policy=policy)
+    x, y = w.data(0)
+    with reporting() as regions:
+        loss = F.mse_loss(m(x), y)
+    ops = {torch.ops.tracedac.all_gather.default}
+    decisions = {n.decision for r in regions for n in r.graph.nodes if n is not None and n.op in ops}
+    return m, loss, decisions
+
+
+def test_gather_nodes_are_recompute_by_default_and_a_policy_may_keep_them(world1):
+    """save_all() would keep the gathered weights and so pin whole units: gathers stay replayed."""
+    _, loss, decisions = _gather_decisions(policies.save_all())
+    assert decisions == {CheckpointPolicy.MUST_RECOMPUTE}
+    loss.backward()
+    m, loss, decisions = _gather_decisions(policies.save_ops(torch.ops.tracedac.all_gather))
+    assert decisions == {CheckpointPolicy.MUST_SAVE}
+    log = w.GatherLog()
+    try:
+        loss.backward()
+    finally:
+        log.close()
+    block_flats = {f.key for u in m._tracedac_zero.units[1:] for f in u.own}
+    assert not block_flats & set(log.counts), "a kept gather was gathered again in backward"
+
+
+def test_gather_release_and_reduce_scatter_are_nodes_in_a_traced_graph(world1):
+    m = zero.shard(w.model())
+    x, _ = w.data(0)
+    gm = make_fx(lambda x: m(x))(x)
+    targets = {str(n.target) for n in gm.graph.nodes}
+    assert {"tracedac.all_gather.default", "tracedac.release.default"} <= targets
+    flat = m._tracedac_zero.flats[0]
+    grad = torch.ones(flat.world * flat.shard_numel)
+    gm = make_fx(lambda g: torch.ops.tracedac.reduce_scatter(g, flat.key))(grad)
+    assert "tracedac.reduce_scatter.default" in {str(n.target) for n in gm.graph.nodes}
+
+
+def test_fake_implementations_give_the_real_shapes(world1):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    m = zero.shard(w.model(), mixed_precision=zero.MixedPrecision())
+    flats = m._tracedac_zero.flats
+    with FakeTensorMode() as mode:
+        for f in flats:
+            shard = mode.from_tensor(f.shard)
+            full = torch.ops.tracedac.all_gather(shard, f.key)
+            assert full.shape == (f.world * f.shard_numel,) and full.dtype == f.dtype
+            part = torch.ops.tracedac.reduce_scatter(full, f.key)
+            assert part.shape == f.shard.shape and part.dtype == torch.float32
+    assert {f.dtype for f in flats} == {torch.bfloat16, torch.float32}
+
+
+def test_bf16_gradients_reduced_in_bf16_are_upcast_into_fp32_shard_grads(world1):
+    """reduce_dtype=bf16: the reduce-scatter moves bf16 and accumulate_ adds it into fp32 .grad."""
+    ref = w.model()
+    m = zero.shard(w.model(), mixed_precision=zero.MixedPrecision(reduce_dtype=torch.bfloat16))
+    x, y = w.data(0)
+    F.mse_loss(ref(x), y).backward()
+    F.mse_loss(m(x), y).backward()
+    assert all(f.shard.grad.dtype == torch.float32 for f in m._tracedac_zero.flats if f.shard.requires_grad)
+    full = {}
+    for f in m._tracedac_zero.flats:
+        if f.shard.requires_grad:
+            for fqns, offset, shape in f.params:
+                full[fqns[0]] = f.shard.grad[offset:offset + torch.Size(shape).numel()].view(shape)
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(full[name], p.grad, atol=3e-2, rtol=5e-2)
+
+
+def test_tracedac_zero_is_a_lazy_attribute():
+    import sys
+
+    import tracedac as td
+
+    assert td.zero is sys.modules["tracedac.zero"]
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_model_whose_root_has_no_parameters_shards_trains_and_counts_its_passes(world1):
+    """Every parameter is in a unit; the root's forward still marks where a pass starts, so
+    the recorded order of gathers does not grow over forwards without backward (evaluation)."""
+    torch.manual_seed(0)
+    ref = Stack()
+    m = zero.shard(Stack())
+    zero.load_full_state_dict(m, ref.state_dict())
+    x = torch.randn(3, 4)
+    for model in (ref, m):
+        for _ in range(3):
+            model(x).sum().backward()
+    torch.testing.assert_close(zero.full_state_dict(m), ref.state_dict())
+    flat = m._tracedac_zero.flats[0]
+    torch.testing.assert_close(flat.shard.grad, torch.cat([ref.layers[0].weight.grad.flatten(), ref.layers[0].bias.grad]))
+    state = m._tracedac_zero.units[0].state
+    with torch.no_grad():
+        for _ in range(5):
+            m(x)
+    assert len(state.current) == 2
+
+
+@pytest.mark.parametrize("where", ["plain", "inside-unit"])
+def test_each_backward_of_a_retained_graph_gathers_each_group_once_and_frees_it(world1, where):
+    m = w.with_checkpoint(w.model(), where)
+    x, y = w.data(0)
+    loss = F.mse_loss(m(x), y)
+    counts = []
+    for _ in range(2):
+        log = w.GatherLog()
+        try:
+            loss.backward(retain_graph=True)
+        finally:
+            log.close()
+        counts.append(dict(log.counts))
+        assert log.alive() == 0, "a gathered buffer outlived the backward that needed it"
+    assert counts[0] == counts[1] and counts[0]
+    once = w.model()
+    F.mse_loss(once(x), y).backward()
+    grads = w.full_grads(m)
+    expected = torch.cat([p.grad.flatten() for _, p in sorted(once.named_parameters()) if p.grad is not None])
+    torch.testing.assert_close(grads, 2 * expected)
+
+
+def test_recompute_by_default_names_the_gather_and_refuses_a_packet():
+    assert id(torch.ops.tracedac.all_gather.default) in policies.RECOMPUTE_OPS
+    with pytest.raises(TypeError, match="OpOverload"):
+        policies.recompute_by_default(torch.ops.tracedac.all_gather, "a packet, not an overload")
+
+
+def test_nested_units_each_gather_their_own_parameters(world1):
+    """units=(Block, nn.Linear): the Linears inside a block are units of their own."""
+    ref, _ = w.reference()
+    m = zero.shard(w.model(), units=(w.Block, nn.Linear))
+    names = [u.name for u in m._tracedac_zero.units]
+    assert {"", "embed", "blocks.0", "blocks.0.lin1", "blocks.1.lin2"} <= set(names)
+    w.train(m, 0, 1)
+    assert w.max_diff(zero.full_state_dict(m), ref) < 1e-5

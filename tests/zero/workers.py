@@ -1,0 +1,297 @@
+"""What each rank runs in the zero tests (imported by spawned processes, so top-level)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tracedac
+import tracedac.zero as zero
+from tracedac.zero import ops as zops
+
+D = 16
+BATCH = 12  # divides by world sizes 1 to 4
+
+
+class Block(nn.Module):
+    def __init__(self, d=D):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.lin1 = nn.Linear(d, 2 * d)
+        self.lin2 = nn.Linear(2 * d, d)
+        self.odd = nn.Parameter(torch.randn(7) * 0.1)  # 7 elements: divides by no world size > 1
+        self.frozen = nn.Parameter(torch.randn(d) * 0.1, requires_grad=False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):  # [B, D]
+        self.calls.add_(1)  # a side effect (an MoE router's counter): once per step
+        h = self.lin2(F.gelu(self.lin1(self.norm(x))))
+        return x + h.float() * (1 + self.odd.sum()) + self.frozen
+
+
+class Model(nn.Module):
+    def __init__(self, d=D, n=3):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.blocks[1].lin2.weight = self.blocks[0].lin2.weight  # shared between two units
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h).float().squeeze(-1)
+
+
+def data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, generator=g)
+
+
+def model(seed=0, **kw):
+    torch.manual_seed(seed)
+    return Model(**kw)
+
+
+def train(m, rank, world, steps=3, clip=None, opt_cls=torch.optim.Adam):
+    opt = opt_cls(m.parameters(), lr=1e-2)
+    per = BATCH // world
+    for step in range(steps):
+        x, y = data(step)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        if clip is not None:
+            sharded = hasattr(m, "_tracedac_zero")
+            norm = zero.clip_grad_norm_(m, clip) if sharded else nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return norm if clip is not None else None
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert list(a) == list(b), (list(a), list(b))
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a.values(), b.values()))
+
+
+def reference(steps=3, clip=None):
+    m = model()
+    norm = train(m, 0, 1, steps, clip)
+    return m.state_dict(), norm
+
+
+def with_checkpoint(m, where):
+    if where == "wrap-before":
+        return zero.shard(tracedac.wrap(m, Block))
+    if where == "wrap-after":
+        return tracedac.wrap(zero.shard(m), Block)
+    if where == "inside-unit":  # regions around Linears inside the units: gathers happen outside them
+        return tracedac.wrap(zero.shard(m), lambda name, mod: name.endswith(("lin1", "lin2")))
+    return zero.shard(m)
+
+
+def equivalence(rank, world, variants=("plain",)):
+    """Max difference from single-process training on the combined batch, per variant."""
+    ref, _ = reference()
+    out = {}
+    for where in variants:
+        m = with_checkpoint(model(), where)
+        train(m, rank, world)
+        out[where] = max_diff(zero.full_state_dict(m), ref)
+    return out
+
+
+class GatherLog:
+    """Counts gathers per flat group and keeps weak references to every gathered buffer."""
+
+    def __init__(self):
+        self.counts = collections.Counter()
+        self.refs = []
+        self.bytes = 0
+        self._gather, self._all_gather = zops.FlatParam.gather, zops._all_gather
+        log = self
+
+        self.prefetched = self.starts = 0
+        self._start = zops.FlatParam.start
+
+        def start(flat, shard):
+            log.starts += 1
+            return log._start(flat, shard)
+
+        def gather(flat, shard):
+            log.prefetched += flat.pending is not None
+            out = log._gather(flat, shard)
+            log.counts[flat.key] += 1
+            log.refs.append(weakref.ref(out))
+            return out
+
+        def all_gather(out, src, **kw):
+            log.bytes += out.numel() * out.element_size()
+            return log._all_gather(out, src, **kw)
+
+        zops.FlatParam.gather, zops.FlatParam.start, zops._all_gather = gather, start, all_gather
+
+    def alive(self):
+        """Gathered buffers still alive. gloo's worker thread lets go of a finished
+        all-gather's output a moment after ``wait()`` returns: give it up to a second."""
+        for _ in range(100):
+            n = sum(r() is not None for r in self.refs)
+            if n == 0:
+                break
+            time.sleep(0.01)
+        return n
+
+    def close(self):
+        zops.FlatParam.gather, zops.FlatParam.start, zops._all_gather = self._gather, self._start, self._all_gather
+
+
+def memory(rank, world):
+    """After forward no gathered buffer is alive; backward gathers each group once per use;
+    from the second step on, gathers are prefetched and none is wasted."""
+    out = {}
+    for where in ("plain", "wrap-before", "wrap-after", "inside-unit"):
+        m = with_checkpoint(model(), where)
+        z = m._tracedac_zero
+        train(m, rank, world, steps=1)  # learns the order of gathers; the step changes the shards
+        x, y = data(1)
+        log = GatherLog()
+        try:
+            loss = F.mse_loss(m(x), y)
+            alive_after_forward = log.alive()
+            forward = dict(log.counts)
+            log.counts.clear()
+            loss.backward()
+            backward = dict(log.counts)
+        finally:
+            log.close()
+        # how many units gather each group: its owner, and units borrowing a shared parameter
+        users = collections.Counter(f.key for u in z.units for f in u.flats)
+        out[where] = dict(alive=alive_after_forward, forward=forward, backward=backward, users=dict(users),
+                          live=len(zops._LIVE), starts=log.starts, prefetched=log.prefetched,
+                          grads=all(f.shard.grad is not None for f in z.flats if f.shard.requires_grad))
+    return out
+
+
+def full_grads(m) -> torch.Tensor:
+    """The gradient of every trainable parameter, all-gathered, in state_dict order, flat."""
+    import torch.distributed as dist
+
+    grads = {}
+    for f in m._tracedac_zero.flats:
+        if f.shard.grad is None:
+            continue
+        full = torch.empty(f.world * f.shard_numel)
+        zops._all_gather(full, f.shard.grad)
+        for fqns, offset, shape in f.params:
+            grads[fqns[0]] = full[offset:offset + torch.Size(shape).numel()]
+    return torch.cat([grads[k] for k in sorted(grads)])
+
+
+def mixed(rank, world):
+    """bf16 gradients are within 2% of fp32 ones (relative norm); all-gathers move <= 0.55x the bytes."""
+    ref = model()
+    x, y = data(0)
+    F.mse_loss(ref(x), y).backward()
+    ref_grads = torch.cat([p.grad.flatten() for n, p in sorted(ref.named_parameters()) if p.grad is not None])
+    per = BATCH // world
+    res = {}
+    for name, mp in (("fp32", None), ("bf16", zero.MixedPrecision()),
+                     ("bf16-reduce", zero.MixedPrecision(reduce_dtype=torch.bfloat16))):
+        m = zero.shard(model(), mixed_precision=mp)
+        log = GatherLog()
+        try:
+            F.mse_loss(m(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        finally:
+            log.close()
+        error = ((full_grads(m) - ref_grads).norm() / ref_grads.norm()).item()
+        res[name] = (error, log.bytes)
+    return res
+
+
+def state_dicts(rank, world, tmp):
+    """Full, rank-0-only and DCP round trips; clip_grad_norm_ equals torch's."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    ref_sd, ref_norm = reference(steps=2, clip=0.05)
+    m = zero.shard(model())
+    norm = train(m, rank, world, steps=2, clip=0.05)
+    out["clip"] = (abs(norm.item() - ref_norm.item()), max_diff(zero.full_state_dict(m), ref_sd))
+
+    full = zero.full_state_dict(m)
+    out["keys"] = list(full) == list(model().state_dict())
+    out["rank0_only"] = len(zero.full_state_dict(m, rank0_only=True))
+    fresh = zero.shard(model(seed=1))
+    zero.load_full_state_dict(fresh, full)
+    out["full_roundtrip"] = max_diff(zero.full_state_dict(fresh), full)
+
+    dcp.save(zero.sharded_state_dict(m), checkpoint_id=tmp)
+    other = zero.shard(model(seed=2))
+    sd = zero.sharded_state_dict(other)
+    dcp.load(sd, checkpoint_id=tmp)
+    zero.load_sharded_state_dict(other, sd)
+    out["dcp_roundtrip"] = max_diff(zero.full_state_dict(other), full)
+    # the loaded model trains on exactly as the saved one
+    train(m, rank, world, steps=1)
+    train(other, rank, world, steps=1)
+    out["after_step"] = max_diff(zero.full_state_dict(other), zero.full_state_dict(m))
+    n_shard = sum(p.numel() for p in m.parameters())
+    out["numel"] = (n_shard, sum(p.numel() for p in {id(p): p for p in model().parameters()}.values()))
+    out["saved"] = full  # what the DCP checkpoint in tmp holds, for a load on another world size
+    return out
+
+
+def mismatched(rank, world):
+    m = Model(d=D + 4 * rank)
+    try:
+        zero.shard(m)
+    except zero.ZeroError as e:
+        return str(e)
+    return None
+
+
+def dead_rank(rank, world):
+    m = zero.shard(model(), timeout=3)
+    if rank == 1:
+        os._exit(0)  # dies before the step's first all-gather
+    x, y = data(0)
+    start = time.monotonic()
+    try:
+        m(x).sum().backward()
+    except zero.ZeroError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None
+
+
+def several(rank, world, parts):
+    """Run several of the workers above in one spawn (starting a rank costs seconds):
+    ``parts`` is ``[(name, args)]``; returns ``{name: ("ok", result) or ("error", traceback)}``."""
+    import traceback
+
+    out = {}
+    for name, args in parts:
+        try:
+            out[name] = ("ok", globals()[name](rank, world, *args))
+        except Exception:
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+def absent_rank(rank, world):
+    """Rank 1 never calls shard(): rank 0 raises within shard's timeout."""
+    if rank == 1:
+        time.sleep(4)  # alive, but elsewhere, past rank 0's timeout
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        zero.shard(model(), timeout=2)
+    except zero.ZeroError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None

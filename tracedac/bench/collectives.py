@@ -1,0 +1,86 @@
+"""Count the bytes every all-gather brings in, by dtype, at the dispatcher.
+
+All the libraries the ZeRO-3 benchmark compares reach the process group through dispatcher
+ops: ``torch.distributed.all_gather_into_tensor`` (FSDP2, DeepSpeed) calls
+``c10d::_allgather_base_``, list all-gathers call ``c10d::allgather_``, and functional
+collectives are ``_c10d_functional::all_gather_into_tensor``. ``AllGatherCounter`` is a
+``TorchDispatchMode`` that sees those ops and adds up the bytes of the gathered (output)
+tensors: the full, unsharded tensor, ``world_size`` times what each rank sends.
+
+A collective inside a custom op (tracedac's gathers are ``torch.library`` ops) would be
+invisible to a dispatch mode: the mode is switched off while an op it intercepted runs.
+So the counter runs the kernel of every op outside torch's own namespaces with itself
+switched back on, and the collectives in its body are counted like anyone else's; the
+custom op itself is never counted, so a library cannot be credited for what its op
+claims to move rather than what it moved.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["AllGatherCounter"]
+
+# Namespaces whose all-gathers are the real collectives.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+# Namespaces whose ops are never a wrapper around a collective: their kernels are not re-entered.
+_TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "profiler", "debugprims"}) | _COLLECTIVE_NAMESPACES
+
+
+def _is_all_gather(func) -> bool:
+    name = func._schema.name.split("::")[-1]
+    return func.namespace in _COLLECTIVE_NAMESPACES and ("allgather" in name or "all_gather" in name)
+
+
+def _gathered(func, args, kwargs, out) -> list[torch.Tensor]:
+    """The tensors an all-gather op wrote: its first argument (c10d, in place), or ``out=``,
+    or what it returned (functional)."""
+    if func.namespace == "c10d":
+        return [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+    if "out" in kwargs:
+        return [t for t in tree_leaves(kwargs["out"]) if isinstance(t, torch.Tensor)]
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+class AllGatherCounter(TorchDispatchMode):
+    """Bytes and calls of all-gathers run while the mode is on, keyed by dtype name.
+
+    ``bytes[dtype]`` sums the gathered tensors' ``numel * element_size``; ``calls`` counts
+    the all-gather ops; ``wrappers`` names the custom ops whose bodies were searched.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: Counter[str] = Counter()
+        self.calls = 0
+        self.wrappers: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace not in _TORCH_NAMESPACES:
+            return self._run_body(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if _is_all_gather(func):
+            self.calls += 1
+            for t in _gathered(func, args, kwargs, out):
+                self.bytes[str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
+        return out
+
+    def _run_body(self, func, args, kwargs):
+        """Run a custom op's kernel with this mode on, so collectives inside it are seen."""
+        self.wrappers[str(func)] += 1
+        devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        key = "CUDA" if "cuda" in devices else "CPU"
+        # The computed table: a custom op registers its kernel as CompositeExplicitAutograd.
+        if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), key):
+            # No device kernel to enter (a meta-only or Python-key-only op): run it as any other.
+            return func(*args, **kwargs)
+        with self:
+            return func.redispatch(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)), *args, **kwargs)
+
+    def total(self) -> int:
+        return sum(self.bytes.values())

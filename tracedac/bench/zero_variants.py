@@ -1,0 +1,184 @@
+"""The ZeRO-3 implementations the ``--zero`` benchmark compares, each as a ``Trainer``.
+
+Every variant gets a deep copy of one seeded fp32 model and the same optimizer (AdamW,
+``LR``), and is driven the same way: ``loss = trainer.forward(idx, targets)`` then
+``trainer.finish(loss)`` (backward, gradient reduction, optimizer step, gradients
+cleared). Units are the same everywhere: each ``Block`` is sharded on its own and the
+rest of the model (embeddings, final norm, head) forms the root unit.
+
+- ``replicated``: no sharding; gradients all-reduced and averaged, as DDP does. The
+  reference the others' losses are compared with.
+- ``tracedac``: ``tracedac.zero.shard``; bf16 with ``MixedPrecision(param_dtype=bf16,
+  reduce_dtype=fp32)`` whose low-precision modules are ``nn.Linear`` and the model's
+  ``MoE`` (its parameters are the experts' matmul weights).
+- ``fsdp2``: ``fully_shard`` on each block then the root, on a 1-D CPU ``DeviceMesh``;
+  bf16 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. FSDP2's
+  defaults otherwise (the root is not resharded after forward).
+- ``deepspeed``: ZeRO stage 3 with the same torch AdamW as client optimizer, and
+  ``stage3_param_persistence_threshold``, ``stage3_max_reuse_distance`` and
+  ``stage3_prefetch_bucket_size`` at 0. By default DeepSpeed keeps parameters under 100k
+  elements whole on every rank, and, from the second step on, prefetches the whole model
+  in forward (its 5e7-element bucket is larger than this model) and keeps it gathered
+  into backward, which then all-gathers about 1% of the bytes: not ZeRO-3 any more. With
+  the three at 0 it shards everything and gathers each module again in backward, as the
+  others do (without prefetching ahead). bf16 is DeepSpeed's ``bf16`` mode (the model in
+  bf16, fp32 master weights in the optimizer, gradients reduced in fp32 via
+  ``communication_data_type``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import io
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .model import GPT, MoE
+
+__all__ = ["LR", "Trainer", "ZERO_VARIANTS", "ZeroVariant"]
+
+LR = 1e-3
+
+
+class Trainer:
+    """A model and its optimizer; ``finish`` is everything after the forward."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model(idx, targets)
+
+    def finish(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class _Replicated(Trainer):
+    def finish(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for all gradients
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class _DeepSpeed(Trainer):
+    def forward(self, idx, targets):
+        return self.model(idx, targets)  # the engine
+
+    def finish(self, loss):
+        self.model.backward(loss)
+        self.model.step()  # also clears the gradients
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _replicated(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
+    return _Replicated(model, _adamw(model))
+
+
+def _tracedac(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
+    from tracedac import zero
+
+    mp = zero.MixedPrecision(torch.bfloat16, torch.float32, low_precision_modules=(nn.Linear, MoE)) if bf16 else None
+    zero.shard(model, mixed_precision=mp)  # units: each block (a ModuleList child), the rest as root
+    return Trainer(model, _adamw(model))
+
+
+def _fsdp2(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return Trainer(model, _adamw(model))
+
+
+def _deepspeed(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # one INFO line per step otherwise
+    config = {
+        "train_micro_batch_size_per_gpu": per_rank_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 2**31 - 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                              "stage3_prefetch_bucket_size": 0},
+        "bf16": {"enabled": bf16},
+    }
+    if bf16:
+        config["communication_data_type"] = "fp32"
+    # DeepSpeed prints the build of its CPU comm op on every rank's stdout, where only rank 0's
+    # table belongs, and calls torch.distributed's *_tensor collectives, deprecated in torch 2.13,
+    # once a step each.
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model), config=config, dist_init_required=False)
+    return _DeepSpeed(engine, engine.optimizer)
+
+
+def _missing(module: str, hint: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            found = False
+        return None if found else f"not installed ({hint})"
+
+    return check
+
+
+@dataclass(frozen=True)
+class ZeroVariant:
+    """One library at one precision; ``build`` turns a copy of the base model into a Trainer."""
+
+    key: str
+    label: str
+    library: str  # replicated, tracedac, fsdp2, deepspeed
+    bf16: bool
+    make: Callable[[GPT, bool, int], Trainer]
+    unavailable: Callable[[], str | None] = lambda: None
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.bf16 else "fp32"
+
+    def build(self, base: GPT, per_rank_batch: int) -> Trainer:
+        return self.make(copy.deepcopy(base), self.bf16, per_rank_batch)
+
+
+_NO_TRACEDAC_ZERO = _missing("tracedac.zero", "this tracedac has no tracedac/zero/")
+_NO_FSDP2 = _missing("torch.distributed.fsdp", f"torch {torch.__version__} has no torch.distributed.fsdp")
+_NO_DEEPSPEED = _missing("deepspeed", "pip install deepspeed")
+
+ZERO_VARIANTS: tuple[ZeroVariant, ...] = (
+    ZeroVariant("replicated", "replicated (all-reduce) fp32", "replicated", False, _replicated),
+    ZeroVariant("tracedac_fp32", "tracedac.zero fp32", "tracedac", False, _tracedac, _NO_TRACEDAC_ZERO),
+    ZeroVariant("fsdp2_fp32", "FSDP2 fp32", "fsdp2", False, _fsdp2, _NO_FSDP2),
+    ZeroVariant("deepspeed_fp32", "DeepSpeed ZeRO-3 fp32", "deepspeed", False, _deepspeed, _NO_DEEPSPEED),
+    ZeroVariant("tracedac_bf16", "tracedac.zero bf16", "tracedac", True, _tracedac, _NO_TRACEDAC_ZERO),
+    ZeroVariant("fsdp2_bf16", "FSDP2 bf16", "fsdp2", True, _fsdp2, _NO_FSDP2),
+    ZeroVariant("deepspeed_bf16", "DeepSpeed ZeRO-3 bf16", "deepspeed", True, _deepspeed, _NO_DEEPSPEED),
+)

@@ -1,0 +1,350 @@
+"""ZeRO-3's three collectives as ``torch.library`` custom ops, and the flat groups they move.
+
+- ``tracedac::all_gather(shard, flat) -> full``: cast this rank's fp32 shard into the
+  all-gather input (``pack_cast``, one fused pass) and all-gather the full flat buffer in
+  the group's travel dtype. Backward: ``reduce_scatter`` the full gradient and add it into
+  the shard's fp32 ``.grad`` with ``accumulate_``.
+- ``tracedac::reduce_scatter(grad, flat) -> part``: this rank's part of the gradient summed
+  over ranks, in the reduce dtype, divided by the world size (ranks average, as DDP and
+  FSDP do). Backward: its adjoint, an all-gather divided by the world size.
+- ``tracedac::release(full, flat)``: the end of a gathered buffer's forward life: the unit
+  forgets the one reference it held, so the storage goes with the last view.
+
+Ops take the flat group as an int key (a custom op cannot take a Python object): the
+``FlatParam`` holds the process group, dtypes and sizes. Being ops, they dispatch to
+tracedac's ``TracerMode`` as one node each, and to any other mode or tracer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import REBUILDERS
+from ..ops import accumulate_, pack_cast
+from ..policies import recompute_by_default
+from ..trace import _address
+from .errors import ZeroError
+
+__all__ = ["FlatParam", "Prefetch", "all_gather", "reduce_scatter", "release"]
+
+# torch 2.13 names the tensor collectives *_single and deprecates *_into_tensor / *_tensor.
+# gloo implements both on CPU (bf16 included).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_FLATS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> FlatParam
+_KEYS = itertools.count()
+_LIVE: dict = {}  # storage address -> Gathered, for buffers gathered by a forward pre-hook
+
+
+class Prefetch:
+    """Per model: the order of gathers in the last forward and backward, to prefetch by.
+
+    The i-th gather of a forward (or backward) starts the (i+1)-th gather of the previous
+    one, if the i-th was the same group then. A group may appear several times (a shared
+    parameter's group is gathered by each unit using it): positions, not links between
+    groups, so the last gather of a pass never starts one nobody will consume.
+    """
+
+    __slots__ = ("enabled", "backward", "current", "learned")
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.backward = None  # whether the pass being recorded is a backward; None: none yet
+        self.current: list = []
+        self.learned: dict = {}  # backward: bool -> the order of that kind of pass, last time
+
+    def begin(self, backward: bool) -> None:
+        if self.backward is not None:
+            self.learned[self.backward] = self.current
+        self.backward, self.current = backward, []
+
+    def after(self, flat: FlatParam, backward: bool) -> FlatParam | None:
+        """Record a gather of ``flat``; return the group to prefetch next, if any."""
+        if backward != self.backward:
+            self.begin(backward)
+        i = len(self.current)
+        self.current.append(flat)
+        order = self.learned.get(backward, ())
+        if self.enabled and i + 1 < len(order) and order[i] is flat:
+            return order[i + 1]
+        return None
+
+
+def flat_of(key: int) -> FlatParam:
+    flat = _FLATS.get(key)
+    if flat is None:
+        raise ZeroError(
+            f"sharded parameter group {key} no longer exists (its model was garbage collected); "
+            "a graph recorded on that model cannot be replayed. Keep the model alive until "
+            "backward has run."
+        )
+    return flat
+
+
+class _Pending:
+    """An all-gather in flight: its work handle, output, and the shard version it read."""
+
+    __slots__ = ("work", "out", "src", "version", "ptr")
+
+    def __init__(self, work, out, src, shard):
+        self.work, self.out, self.src = work, out, src  # src: alive until the collective ends
+        self.version, self.ptr = shard._version, shard.data_ptr()
+
+
+class FlatParam:
+    """One flat group of a unit: parameters of one travel dtype and one ``requires_grad``.
+
+    Every rank keeps ``shard`` (fp32, ``shard_numel`` elements, the group's elements
+    ``[rank * shard_numel, (rank + 1) * shard_numel)`` of the flat buffer padded to a
+    multiple of the world size). ``state`` (one per model) prefetches in the order gathers
+    ran in the previous forward or backward: the same on every rank, so every rank issues
+    the same collectives in the same order.
+    """
+
+    def __init__(self, name, shard, numel, dtype, reduce_dtype, group, timeout, state):
+        self.key = next(_KEYS)
+        _FLATS[self.key] = self
+        self.name = name  # "unit 'layers.0', bfloat16 parameters", for messages
+        self.shard = shard
+        self.numel = numel  # elements before padding
+        self.shard_numel = shard.numel()
+        self.dtype = dtype  # travel and compute dtype
+        self.reduce_dtype = reduce_dtype
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout = timeout
+        self.state = state  # the model's Prefetch
+        self.pending: _Pending | None = None
+
+    # -- collectives --
+    def wait(self, work, what: str) -> None:
+        try:
+            done = work.wait(self.timeout) if self.timeout is not None else work.wait()
+        except RuntimeError as e:
+            raise self._failed(what, e) from e
+        if done is False:
+            raise self._failed(what, None)
+
+    def _failed(self, what, cause) -> ZeroError:
+        limit = f" within {self.timeout.total_seconds():g} s" if self.timeout is not None else ""
+        return ZeroError(
+            f"the {what} of {self.name} failed on rank {self.rank} of {self.world}{limit} "
+            f"({cause or 'timed out'}). Another rank probably died or never reached this step "
+            "(an exception, a different number of steps, a model that runs different units). "
+            "Look at the other ranks' errors first; the timeout is shard(..., timeout=...)."
+        )
+
+    def start(self, shard: torch.Tensor) -> _Pending:
+        """Start the all-gather of ``shard`` in the travel dtype, asynchronously."""
+        if self.dtype == shard.dtype:
+            src = shard.detach()  # no cast: gather straight from the shard
+        else:
+            src = torch.empty(self.shard_numel, dtype=self.dtype, device=shard.device)
+            pack_cast([shard.detach()], src)  # cast while writing the all-gather input
+        out = torch.empty(self.world * self.shard_numel, dtype=self.dtype, device=shard.device)
+        work = _all_gather(out, src, group=self.group, async_op=True)
+        return _Pending(work, out, src, shard)
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The full flat buffer: the prefetched one if it read this shard as it is now."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.wait(pending.work, "all-gather (prefetched)")
+            if pending.version != shard._version or pending.ptr != shard.data_ptr():
+                pending = None  # the shard changed since (an optimizer step): gather again
+        if pending is None:
+            pending = self.start(shard)
+            self.wait(pending.work, "all-gather")
+        self._prefetch_next()
+        return pending.out
+
+    def _prefetch_next(self) -> None:
+        nxt = self.state.after(self, torch._C._current_graph_task_id() != -1)
+        if nxt is not None and nxt.pending is None:
+            nxt.pending = nxt.start(nxt.shard)
+
+    def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        full = grad.to(self.reduce_dtype).contiguous()
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
+        self.wait(_reduce_scatter(out, full, group=self.group, async_op=True), "reduce-scatter")
+        return out.div_(self.world)
+
+
+# --- gather ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tracedac::all_gather", mutates_args=())
+def all_gather(shard: torch.Tensor, flat: int) -> torch.Tensor:
+    """The full flat parameters of group ``flat``: every rank's shard, cast to the travel dtype."""
+    return flat_of(flat).gather(shard)
+
+
+@all_gather.register_fake
+def _all_gather_fake(shard, flat):
+    f = flat_of(flat)
+    return shard.new_empty(f.world * f.shard_numel, dtype=f.dtype)
+
+
+def _all_gather_setup(ctx, inputs, output):
+    ctx.shard, ctx.flat = inputs  # the shard Parameter itself: backward adds into its .grad
+
+
+def _all_gather_backward(ctx, grad):
+    """Reduce-scatter the full gradient; add this rank's part into the fp32 shard's .grad."""
+    part = torch.ops.tracedac.reduce_scatter(grad, ctx.flat)
+    shard = ctx.shard
+    if shard.grad is None:
+        shard.grad = torch.zeros_like(shard, memory_format=torch.contiguous_format)
+    accumulate_(shard.grad, part)
+    # None: the gradient is in .grad already. Returning it would make autograd add it a
+    # second time, and do in fp32 what accumulate_ does with the upcast fused.
+    return None, None
+
+
+all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+
+
+# --- reduce-scatter ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tracedac::reduce_scatter", mutates_args=())
+def reduce_scatter(grad: torch.Tensor, flat: int) -> torch.Tensor:
+    """This rank's part of ``grad`` summed over ranks / world, in the reduce dtype."""
+    return flat_of(flat).reduce_scatter(grad)
+
+
+@reduce_scatter.register_fake
+def _reduce_scatter_fake(grad, flat):
+    f = flat_of(flat)
+    return grad.new_empty(f.shard_numel, dtype=f.reduce_dtype)
+
+
+def _reduce_scatter_setup(ctx, inputs, output):
+    ctx.flat, ctx.dtype = inputs[1], inputs[0].dtype
+
+
+def _reduce_scatter_backward(ctx, grad):
+    """The adjoint of sum-then-divide: every rank's part, all-gathered, divided by world."""
+    f = flat_of(ctx.flat)
+    out = grad.new_empty(f.world * f.shard_numel)
+    f.wait(_all_gather(out, grad.contiguous(), group=f.group, async_op=True), "all-gather (reduce-scatter backward)")
+    return out.div_(f.world).to(ctx.dtype), None
+
+
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)
+
+
+# --- release ----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("tracedac::release", mutates_args=())
+def release(full: torch.Tensor, flat: int) -> None:
+    """Forget the unit's reference to a gathered buffer: its storage goes with its last view."""
+    entry = _LIVE.pop(_address(full), None)
+    if entry is not None:
+        entry.full = None
+
+
+@release.register_fake
+def _release_fake(full, flat):
+    return None
+
+
+class Gathered:
+    """One gather done by a unit's forward, and the handles autograd saved on its buffer.
+
+    In backward the first handle unpacked gathers the group again; the buffer is cached
+    until every live handle has been unpacked in this backward (or dropped), then let go:
+    each unit is gathered once per backward and freed after its last use. A later backward
+    of the same graph (``retain_graph=True``) starts a new round and does the same.
+    """
+
+    __slots__ = ("flat", "full", "alive", "remaining", "round", "cached", "__weakref__")
+
+    def __init__(self, flat: FlatParam, full: torch.Tensor):
+        self.flat = flat
+        self.full = full  # until release
+        self.alive = 0  # handles not yet garbage collected
+        self.remaining = 0  # of those, how many this round has not unpacked yet
+        self.round = 0
+        self.cached = None  # the buffer gathered again in backward
+        _LIVE[_address(full)] = self
+
+    def handle(self, t: torch.Tensor) -> Handle:
+        self.alive += 1
+        self.remaining += 1
+        return Handle(self, t.size(), t.stride(), t.storage_offset())
+
+    def regather(self) -> torch.Tensor:
+        if self.cached is None:
+            with torch.no_grad():
+                self.cached = torch.ops.tracedac.all_gather(self.flat.shard, self.flat.key)
+        return self.cached
+
+    def done(self, handle: Handle, dropped: bool) -> None:
+        """``handle`` was unpacked or garbage collected: after the round's last, free the buffer."""
+        if dropped:
+            self.alive -= 1
+        if handle.round != self.round:
+            return  # already unpacked in this round
+        handle.round += 1  # wanted again in the next round
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self.cached = None
+            self.round += 1
+            self.remaining = self.alive
+
+
+class Handle:
+    """What autograd (or a checkpoint region) holds for a tensor on a gathered buffer."""
+
+    __slots__ = ("entry", "size", "stride", "offset", "round")
+
+    def __init__(self, entry: Gathered, size, stride, offset):
+        self.entry = entry
+        self.size, self.stride, self.offset = size, stride, offset
+        self.round = entry.round  # the first round (backward) it has not been unpacked in
+
+    def unpack(self) -> torch.Tensor:
+        entry = self.entry
+        if entry.full is not None:  # the forward is still running: nothing was released
+            return entry.full.as_strided(self.size, self.stride, self.offset)
+        view = entry.regather().as_strided(self.size, self.stride, self.offset)
+        entry.done(self, dropped=False)
+        return view
+
+    def __del__(self):
+        self.entry.done(self, dropped=True)
+
+
+def handle_for(t: torch.Tensor) -> Handle | None:
+    """A handle if ``t`` lives on a buffer gathered by a forward still running, else None."""
+    entry = _LIVE.get(_address(t))
+    if entry is None or t.dtype != entry.flat.dtype:
+        return None
+    return entry.handle(t)
+
+
+
+class _GatheredOwner:
+    """Lets a checkpoint region that reads a gathered parameter from outside hold a Handle."""
+
+    def owns(self, t: torch.Tensor) -> bool:
+        entry = _LIVE.get(_address(t))
+        return entry is not None and t.dtype == entry.flat.dtype
+
+    def handle(self, t: torch.Tensor) -> Handle | None:
+        return handle_for(t)
+
+
+REBUILDERS.append(_GatheredOwner())
+recompute_by_default(
+    torch.ops.tracedac.all_gather.default,
+    "keeping a gathered parameter pins the full unit after forward; ZeRO-3 gathers it again",
+)
