@@ -110,3 +110,20 @@ def test_the_cli_refuses_a_run_without_timed_steps(capsys):
         main(["--planners", "--steps", "0"])
     assert exit.value.code == 2
     assert "steps must be at least 1" in capsys.readouterr().err
+
+
+def test_torch_is_compared_with_tracedac_at_its_own_bytes_and_tracedac_must_keep_no_more():
+    """The target: no more replay FLOPs than torch at equal or fewer bytes kept."""
+    slack = planners.TENSOR_SLACK_PER_REGION * planners.QUICK.layers
+    torch_rows = [{"budget": 0.5, "tensor_bytes": 10 << 20, "recompute_flops": 100}]
+
+    def verdict(tensor_bytes, replay_flops):
+        row = {"key": "match_0.50", "label": "memory_budget(5242880) [torch 0.5]", "status": "ok",
+               "tensor_bytes": tensor_bytes, "replay_flops": replay_flops}
+        (check,) = planners._checks(planners.QUICK, [row], torch_rows)
+        return check["passed"]
+
+    assert verdict(10 << 20, 100)
+    assert verdict((10 << 20) + slack, 0)
+    assert not verdict((10 << 20) + slack + 1, 0)  # fewer FLOPs, but more bytes than torch
+    assert not verdict(5 << 20, 101)

@@ -19,9 +19,11 @@ tracedac (``tracedac.wrap(model, DecoderLayer, policy=memory_budget(b))``)
 - **tensors**: the same forward's tensor bytes alone: the net of the profiler's allocation
   events (``_tensor_held``), the layers' outputs excluded. This is the figure a budget
   prices; the allocator's figure adds the bookkeeping no budget counts.
-- **budget**: b x full, where full is the tensors kept by ``memory_budget(1.0)`` as measured
-  (``alloc budget``: the same with the allocator's figure). ``lib kept`` is tracedac's own
-  figure (``trade_off``, summed over the layers), for comparison.
+- **budget**: b x full, where full is the tensors ``save_all()`` keeps as measured, what the
+  regions keep without checkpointing (``alloc budget``: the same with the allocator's
+  figure). ``lib kept`` is tracedac's own figure (``trade_off``, summed over the layers).
+- Beside the fractions, one row per torch row: ``memory_budget(N)`` with N an int, the
+  tensor bytes torch kept at that budget divided by the layers: tracedac at torch's bytes.
 - **replay FLOPs**: counted from outside, ``FlopCounterMode`` around the backward, minus
   the backward FLOPs of the model without checkpointing; beside it ``lib FLOPs``, the
   library's ``trade_off(...).replay_flops`` summed over the layers. A mismatch is flagged.
@@ -58,13 +60,14 @@ torch's budget is a fraction of the range between its own all-recompute and its 
 without checkpointing; the same number means different bytes on the two sides, so they are
 compared on absolute bytes.
 
-Checks: (a) each tracedac row keeps no more tensor bytes than its budget plus
+Checks: (a) each tracedac row with a budget keeps no more tensor bytes than it plus
 ``TENSOR_SLACK_PER_REGION`` per region, and no more allocator bytes than its allocator
 budget plus ``SLACK_PER_REGION`` per region (see there for why each). (b) For each torch
-row, among the tracedac rows that keep no more tensor bytes (within the tensor slack), the
-one replaying the fewest FLOPs replays no more than torch recomputes: tracedac's trade-off
-curve lies on or below torch's. (Comparing every pair instead would ask budget 0.0, which
-keeps nothing, to replay no more than torch at 1.0, which keeps 15 MiB.) A last section
+row, tracedac at torch's bytes (the int-budget row) keeps no more tensor bytes (within the
+tensor slack) and replays no more FLOPs than torch recomputes. (Comparing every pair of
+fraction rows instead would ask budget 0.0, which keeps nothing, to replay no more than
+torch at 1.0, which keeps 15 MiB; and the fractions' rows fall at other bytes than torch's,
+so the nearest one below torch's bytes would be compared with less memory.) A last section
 runs 3 steps with no checkpoint and with ``memory_budget(PEAK_BUDGET)`` and reads the peak
 of tensor bytes during each forward from the profiler's allocation events (``_forward_peak``).
 """
@@ -148,14 +151,17 @@ def _planner_missing() -> str | None:
     return None
 
 
-def _variants(budgets) -> list[dict]:
-    """tracedac's rows: three references, then one per budget."""
+def _variants(budgets, matched=()) -> list[dict]:
+    """tracedac's rows: three references, one per budget, then one per torch row at the bytes
+    it kept (``matched``: pairs of torch's budget and bytes per region)."""
     rows = [
         {"key": "none", "label": "no checkpoint", "spec": "none", "budget": None},
         {"key": "save_all", "label": "save_all()", "spec": "save_all", "budget": None},
         {"key": "recompute_all", "label": "recompute_all()", "spec": "recompute_all", "budget": None},
     ]
     rows += [{"key": f"budget_{b:.2f}", "label": f"memory_budget({b:.1f})", "spec": b, "budget": b} for b in budgets]
+    rows += [{"key": f"match_{b:.2f}", "label": f"memory_budget({n}) [torch {b:.1f}]", "spec": ("bytes", n),
+              "budget": None, "match": b, "region_bytes": n} for b, n in matched]
     return rows
 
 
@@ -164,6 +170,8 @@ def _policy(spec):
         return policies.save_all()
     if spec == "recompute_all":
         return policies.recompute_all()
+    if isinstance(spec, (tuple, list)):  # ("bytes", n): an int budget
+        return policies.memory_budget(int(spec[1]))
     return policies.memory_budget(float(spec))
 
 
@@ -353,14 +361,14 @@ def _compiled(base: Llama, budget: float, partitioned: _Partitioned) -> Llama:
     return model
 
 
-def _measure_tracedac(cfg: LlamaConfig, budgets, device: torch.device, say) -> dict[str, dict]:
+def _measure_tracedac(cfg: LlamaConfig, budgets, matched, device: torch.device, say) -> dict[str, dict]:
     base = Llama.seeded(cfg).to(device)
     batch = tuple(t.to(device) for t in make_batch(cfg))
     x = _layer_inputs(base, batch)[0]
     found = {}
-    variants = _variants(budgets)
+    variants = _variants(budgets, matched)
     for i, v in enumerate(variants, 1):
-        missing = _planner_missing() if v["budget"] is not None else None
+        missing = _planner_missing() if v["spec"] not in ("none", "save_all", "recompute_all") else None
         if missing:
             say(f"[{i}/{len(variants)}] tracedac {v['label']}: skipped ({missing})")
             found[v["key"]] = {"status": missing}
@@ -417,14 +425,18 @@ def child_measure(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     cfg, device = LlamaConfig(**spec["config"]), torch.device(spec["device"])
-    found = {"tracedac": _measure_tracedac(cfg, spec["budgets"], device, say)}
-    if not spec["compare_torch"]:
-        found["torch"] = {"status": "not asked for (compare_torch=False)"}
-        return found
-    try:
-        found["torch"] = _measure_torch(cfg, spec["budgets"], spec["steps"], device, say)
-    except Exception as e:  # noqa: BLE001 - a torch.compile failure must not hide tracedac's figures
-        found["torch"] = {"status": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    found = {"torch": {"status": "not asked for (compare_torch=False)"}, "matched": []}
+    if spec["compare_torch"]:
+        try:
+            found["torch"] = _measure_torch(cfg, spec["budgets"], spec["steps"], device, say)
+        except Exception as e:  # noqa: BLE001 - a torch.compile failure must not hide tracedac's figures
+            found["torch"] = {"status": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    if "status" not in found["torch"]:
+        # tracedac at the bytes each torch row kept, per region: the comparison the target asks
+        # for. An int budget of 1 is refused as ambiguous; 0 bytes asks the same.
+        per_region = [max(0, found["torch"][f"{b:.2f}"]["tensor_bytes"] // cfg.layers) for b in spec["budgets"]]
+        found["matched"] = [[b, 0 if n == 1 else n] for b, n in zip(spec["budgets"], per_region)]
+    found["tracedac"] = _measure_tracedac(cfg, spec["budgets"], found["matched"], device, say)
     return found
 
 
@@ -474,17 +486,22 @@ def _backward_flops(model: Llama, batch) -> int:
     return counter.get_total_flops()
 
 
-def _library_rows(base: Llama, batch, budgets) -> dict[float, dict] | str:
-    """``trade_off`` per layer on that layer's input, summed over the layers, by budget."""
+def _library_rows(base: Llama, batch, variants) -> dict | str:
+    """``trade_off`` per layer on that layer's input, summed over the layers, per variant key
+    of each budget row; ``"full"``: the library's bytes kept without checkpointing."""
     trade_off = getattr(tracedac, "trade_off", None)
     if trade_off is None:
         return "tracedac.trade_off is not in this installation"
-    wanted = sorted(set(budgets) | {1.0})
-    total: dict[float, dict] = {b: {"bytes_kept": 0, "replay_flops": 0, "ops_replayed": 0} for b in wanted}
+    planned = [v for v in variants if v["budget"] is not None or "region_bytes" in v]
+    budgets = [v["budget"] if v["budget"] is not None else v["region_bytes"] for v in planned]
+    total = {v["key"]: {"bytes_kept": 0, "replay_flops": 0, "ops_replayed": 0} for v in planned}
+    total["full"] = 0
     for layer, x in zip(base.layers, _layer_inputs(base, batch)):
-        for row in trade_off(layer, x, budgets=wanted):
+        rows = trade_off(layer, x, budgets=budgets)  # in the order asked, when budgets are given
+        total["full"] += rows.full
+        for v, row in zip(planned, rows):
             for field in ("bytes_kept", "replay_flops", "ops_replayed"):
-                total[min(wanted, key=lambda b: abs(b - row.budget))][field] += int(getattr(row, field))
+                total[v["key"]][field] += int(getattr(row, field))
     return total
 
 
@@ -552,14 +569,14 @@ def _peaks(base: Llama, batch, steps: int, say) -> dict:
 # --- the run ------------------------------------------------------------------------------
 
 
-def _tracedac_rows(cfg, budgets, measured, library, flops, times) -> list[dict]:
-    full_key = "budget_1.00" if measured.get("budget_1.00", {}).get("status") == "ok" else "save_all"
-    full, full_tensors = measured[full_key]["bytes_kept"], measured[full_key]["tensor_bytes"]
-    lib_full = library[1.0]["bytes_kept"] if isinstance(library, dict) else None
+def _tracedac_rows(cfg, variants, measured, library, flops, times) -> list[dict]:
+    # Full: what the regions keep without checkpointing, the denominator of a fraction budget.
+    full, full_tensors = measured["save_all"]["bytes_kept"], measured["save_all"]["tensor_bytes"]
     plain = statistics.median(times["none"])
     rows = []
-    for v in _variants(budgets):
-        row = {"key": v["key"], "label": v["label"], "budget": v["budget"], **measured[v["key"]]}
+    for v in variants:
+        row = {k: v[k] for k in ("key", "label", "budget", "match", "region_bytes") if k in v}
+        row.update(measured[v["key"]])
         if row["status"] != "ok":
             rows.append(row)
             continue
@@ -567,18 +584,23 @@ def _tracedac_rows(cfg, budgets, measured, library, flops, times) -> list[dict]:
         row["step_times_s"] = times[v["key"]]
         row["step_s"] = statistics.median(times[v["key"]])
         row["step_vs_none"] = row["step_s"] / plain
+        if v["budget"] is None and "region_bytes" not in v:
+            rows.append(row)  # a reference: no budget to check
+            continue
+        row["full_bytes"], row["full_tensor_bytes"] = full, full_tensors
         if v["budget"] is not None:
-            row["full_bytes"], row["full_tensor_bytes"] = full, full_tensors
             row["budget_bytes"] = v["budget"] * full
             row["budget_tensor_bytes"] = v["budget"] * full_tensors
-            row["within_budget"] = row["bytes_kept"] <= row["budget_bytes"] + SLACK_PER_REGION * cfg.layers
-            row["tensors_within_budget"] = (row["tensor_bytes"]
-                                            <= row["budget_tensor_bytes"] + TENSOR_SLACK_PER_REGION * cfg.layers)
-            if isinstance(library, dict):
-                lib = library[min(library, key=lambda b: abs(b - v["budget"]))]
-                row.update(lib_full_bytes=lib_full, lib_bytes_kept=lib["bytes_kept"],
-                           lib_replay_flops=lib["replay_flops"], lib_ops_replayed=lib["ops_replayed"],
-                           flops_match=lib["replay_flops"] == row["replay_flops"])
+        else:  # an int budget: bytes, the same at the allocator
+            row["budget_bytes"] = row["budget_tensor_bytes"] = v["region_bytes"] * cfg.layers
+        row["within_budget"] = row["bytes_kept"] <= row["budget_bytes"] + SLACK_PER_REGION * cfg.layers
+        row["tensors_within_budget"] = (row["tensor_bytes"]
+                                        <= row["budget_tensor_bytes"] + TENSOR_SLACK_PER_REGION * cfg.layers)
+        if isinstance(library, dict):
+            lib = library[v["key"]]
+            row.update(lib_full_bytes=library["full"], lib_bytes_kept=lib["bytes_kept"],
+                       lib_replay_flops=lib["replay_flops"], lib_ops_replayed=lib["ops_replayed"],
+                       flops_match=lib["replay_flops"] == row["replay_flops"])
         rows.append(row)
     return rows
 
@@ -595,12 +617,13 @@ def _torch_rows(budgets, measured) -> list[dict] | str:
 
 
 def _checks(cfg, tracedac_rows, torch_rows) -> list[dict]:
-    """(a) per tracedac row, tensors and allocator bytes within budget; (b) per torch row, the
-    tracedac row with the fewest replay FLOPs among those keeping no more tensor bytes."""
+    """(a) per tracedac row with a budget, tensors and allocator bytes within it; (b) per torch
+    row, tracedac at the bytes torch kept replays no more FLOPs than torch recomputes."""
     checks = []
     slack, tensor_slack = SLACK_PER_REGION * cfg.layers, TENSOR_SLACK_PER_REGION * cfg.layers
-    budget_rows = [r for r in tracedac_rows if r.get("budget") is not None and r["status"] == "ok"]
-    for row in budget_rows:
+    for row in tracedac_rows:
+        if row["status"] != "ok" or "budget_bytes" not in row:
+            continue
         checks.append({"name": f"{row['label']}: tensors kept {_mib(row['tensor_bytes'])} <= budget "
                                f"{_mib(row['budget_tensor_bytes'])} MiB + {tensor_slack >> 10} KiB",
                        "value": row["tensor_bytes"], "limit": row["budget_tensor_bytes"] + tensor_slack,
@@ -611,21 +634,21 @@ def _checks(cfg, tracedac_rows, torch_rows) -> list[dict]:
                        "passed": row["within_budget"]})
     if not isinstance(torch_rows, list):
         return checks
+    by_key = {r["key"]: r for r in tracedac_rows}
     for t in torch_rows:
+        row = by_key.get(f"match_{t['budget']:.2f}")
+        if row is None or row["status"] != "ok":
+            checks.append({"name": f"torch budget {t['budget']:.1f}: no tracedac row at its bytes", "value": None,
+                           "limit": t["recompute_flops"], "passed": None})
+            continue
         # Tensor bytes on both sides (profiler events): the allocator's figure also counts
         # bookkeeping, which on a small model would outweigh what is being compared.
-        fits = [r for r in budget_rows if r["tensor_bytes"] <= t["tensor_bytes"] + tensor_slack]
-        best = min(fits, key=lambda r: (r["replay_flops"], r["tensor_bytes"]), default=None)
-        if best is None:
-            checks.append({"name": f"torch budget {t['budget']:.1f} ({_mib(t['tensor_bytes'])} MiB of tensors): no "
-                                   "tracedac row keeps as few", "value": None, "limit": t["recompute_flops"],
-                           "passed": False})
-            continue
+        fewer = row["tensor_bytes"] <= t["tensor_bytes"] + tensor_slack
         checks.append({"name": f"torch budget {t['budget']:.1f}: {_mib(t['tensor_bytes'])} MiB, recompute "
-                               f"{_gflop(t['recompute_flops'])} GFLOP; tracedac {best['label']}: "
-                               f"{_mib(best['tensor_bytes'])} MiB, replay {_gflop(best['replay_flops'])} GFLOP",
-                       "value": best["replay_flops"], "limit": t["recompute_flops"], "tracedac": best["key"],
-                       "passed": best["replay_flops"] <= t["recompute_flops"]})
+                               f"{_gflop(t['recompute_flops'])} GFLOP; tracedac {row['label']}: "
+                               f"{_mib(row['tensor_bytes'])} MiB, replay {_gflop(row['replay_flops'])} GFLOP",
+                       "value": row["replay_flops"], "limit": t["recompute_flops"], "tracedac": row["key"],
+                       "passed": fewer and row["replay_flops"] <= t["recompute_flops"]})
     return checks
 
 
@@ -663,9 +686,10 @@ def run(cfg: LlamaConfig = LlamaConfig(), *, steps: int = 3, budgets=BUDGETS, qu
 
     base = Llama.seeded(cfg)
     batch = make_batch(cfg)
+    variants = _variants(budgets, measured["matched"])
     say("library accounting: trade_off per layer")
-    library = _library_rows(base, batch, budgets)
-    ok = [v for v in _variants(budgets) if measured["tracedac"][v["key"]]["status"] == "ok"]
+    library = _library_rows(base, batch, variants)
+    ok = [v for v in variants if measured["tracedac"][v["key"]]["status"] == "ok"]
     models = {v["key"]: _build(base, v["spec"]) for v in ok}
     say("replay FLOPs: FlopCounterMode around backward, per variant")
     for model in models.values():
@@ -677,7 +701,7 @@ def run(cfg: LlamaConfig = LlamaConfig(), *, steps: int = 3, budgets=BUDGETS, qu
     del models
     peaks = _peaks(base, batch, 2 if quick else PEAK_STEPS, say)
 
-    tracedac_rows = _tracedac_rows(cfg, budgets, measured["tracedac"], library, flops, times)
+    tracedac_rows = _tracedac_rows(cfg, variants, measured["tracedac"], library, flops, times)
     torch_rows = _torch_rows(budgets, measured["torch"])
     wall = time.perf_counter() - start
     say(f"finished in {wall:.1f}s")
@@ -764,8 +788,9 @@ def format_report(result: dict) -> str:
     row = next((r for r in result["tracedac_rows"] if r.get("full_bytes")), {})
     layers = cfg["layers"]
     out += [
-        f"budget = b x {_mib(row.get('full_tensor_bytes'))} MiB of tensors kept at budget 1.0 (library's own full: "
+        f"budget = b x {_mib(row.get('full_tensor_bytes'))} MiB, the tensors save_all() keeps (library's own full: "
         f"{_mib(row.get('lib_full_bytes'))}); alloc budget = b x {_mib(row.get('full_bytes'))} MiB at the allocator",
+        "memory_budget(N) [torch b]: N bytes per region, torch's tensors at its budget b over the layers",
         f"<= budget? tensors <= budget + {result['tensor_slack_per_region'] * layers >> 10} KiB / allocator <= alloc "
         f"budget + {result['slack_per_region'] * layers >> 10} KiB; (!) FLOPs from outside differ from the library's",
     ]
