@@ -105,9 +105,10 @@ __all__ = ["BUDGETS", "PEAK_BUDGET", "QUICK", "QUICK_BUDGETS", "SLACK_PER_REGION
 QUICK = LlamaConfig(vocab=64, layers=2, dim=32, heads=2, mlp_hidden=96, batch=2, seq=16)
 BUDGETS = tuple(i / 10 for i in range(11))
 QUICK_BUDGETS = (0.0, 0.5, 1.0)
-# Allowed above the budget per region, in tensor bytes: the generator state tracedac keeps
-# per region (``torch.get_rng_state()``, a 5,056-byte uint8 tensor on CPU) is a tensor but
-# no activation, and no budget prices it. recompute_all's row shows it.
+# Allowed above the budget per region, in tensor bytes: a region that will replay an op
+# torch tags nondeterministic_seeded (here the CPU attention kernel, for its dropout
+# argument) keeps its generator's state, a 5,056-byte uint8 tensor on CPU: a tensor, but no
+# activation, and no budget prices it. recompute_all's row shows it.
 TENSOR_SLACK_PER_REGION = 8 << 10
 # Allowed above the budget per region, in allocator bytes: the recorded graph and the
 # handles autograd holds are Python and C++ objects the allocator counts (PYTHONMALLOC=malloc)
