@@ -115,8 +115,10 @@ def costs(graph: RegionGraph, items: list[int], cost="flops") -> list[tuple]:
     (ties go to fewer replayed ops).
 
     These costs add up exactly over any choice, except that a node no item keeps and that
-    two replayed items both read is counted for each: the model is then an upper bound of
-    what replay runs, never below it."""
+    two replayed items both read is counted for each (an upper bound), and that a storage
+    written in place and needed in two of its states is rebuilt from its start up to the
+    later one (which a per-item cost cannot see). Without in-place writes the model is an
+    upper bound of what replay runs, never below it."""
     memo: dict[int, tuple] = {}
     out = []
     final = {gid: len(graph.groups[gid].mutations) for gid in items}
