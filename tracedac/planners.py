@@ -109,24 +109,36 @@ def closure(graph: RegionGraph, wanted, kept) -> list[int]:
     return sorted(chosen)
 
 
-def costs(graph: RegionGraph, items: list[int], cost="flops") -> list[tuple]:
-    """The cost of replaying each item's storage when every other item is kept: the
+def bundles_of(graph: RegionGraph, items: list[int]) -> list[list[int]]:
+    """Items grouped by the node that last wrote them. An op with several results (attention's
+    output and log-sum-exp, layer norm's output, mean and rstd) runs whole: keeping some of
+    its results saves nothing while another must be replayed, so they are kept together."""
+    by_node: dict[int, list[int]] = {}
+    for gid in items:
+        by_node.setdefault(graph.groups[gid].node.index, []).append(gid)
+    return list(by_node.values())
+
+
+def costs(graph: RegionGraph, bundles: list[list[int]], cost="flops", items=None) -> list[tuple]:
+    """The cost of replaying each bundle's storages when every other item (``items``, by
+    default those of the bundles; items a plan cannot choose are counted as kept, since
+    their own replay is paid whatever the choice) is kept: the
     components of ``node_cost`` summed over the nodes that runs, then the number of ops
     (ties go to fewer replayed ops).
 
     These costs add up exactly over any choice, except that a node no item keeps and that
-    two replayed items both read is counted for each (an upper bound), and that a storage
+    two replayed bundles both read is counted for each (an upper bound), and that a storage
     written in place and needed in two of its states is rebuilt from its start up to the
-    later one (which a per-item cost cannot see). Without in-place writes the model is an
+    later one (which a per-bundle cost cannot see). Without in-place writes the model is an
     upper bound of what replay runs, never below it."""
     memo: dict[int, tuple] = {}
     out = []
-    final = {gid: len(graph.groups[gid].mutations) for gid in items}
-    others = set(items)
-    for gid in items:
-        others.discard(gid)
-        run = closure(graph, [(gid, final[gid])], others)
-        others.add(gid)
+    groups = graph.groups
+    others = set(items) if items is not None else {gid for bundle in bundles for gid in bundle}
+    for bundle in bundles:
+        others.difference_update(bundle)
+        run = closure(graph, [(gid, len(groups[gid].mutations)) for gid in bundle], others)
+        others.update(bundle)
         total = None
         for i in run:
             c = memo.get(i)
@@ -368,11 +380,12 @@ class MemoryBudget(Planner):
                 f"{human_bytes(full)}). Raise the budget, or make those decisions PREFER_SAVE so "
                 "the budget may drop them."
             )
-        free = [g for g in items if g not in forced_in and g not in forced_out]
-        item_costs = costs(graph, items, self.cost)
-        by_group = dict(zip(items, item_costs))
-        chosen, _ = knapsack([groups[g].nbytes for g in free], [by_group[g] for g in free], limit - forced_bytes)
-        return {free[i] for i in chosen} | set(forced_in)
+        forced = set(forced_in)
+        free = [b for b in bundles_of(graph, items)
+                if not any(g in forced_out for g in b) and not all(g in forced for g in b)]
+        chosen, _ = knapsack([sum(groups[g].nbytes for g in b if g not in forced) for b in free],
+                             costs(graph, free, self.cost, items), limit - forced_bytes)
+        return {g for i in chosen for g in free[i]} | forced
 
     def __repr__(self) -> str:
         extra = "" if self.cost == "flops" else f", cost={self.cost!r}"
