@@ -10,7 +10,8 @@ complete, for all of it:
   solved with networkx.
 
 The *items* are the storages the region computed that autograd saved, in the state it saved
-them (their final state: a kept storage holds its last value). Keeping one costs its bytes.
+them (their final state: a kept storage holds its last value). Keeping one costs its bytes;
+``memory_budget`` keeps the results of one op together (``bundles_of``).
 Both planners honour the MUST decisions of the policy they are combined with
 (``either(save_names("x"), memory_budget(0.3))``).
 
@@ -31,10 +32,10 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .errors import CheckpointError
-from .graph import Node, RegionGraph, TensorMeta, human_bytes
+from .graph import Node, RegionGraph, human_bytes
 
 __all__ = [
-    "MemoryBudget", "MinCut", "Planner", "closure", "costs", "knapsack", "min_cut_keep", "node_cost",
+    "MemoryBudget", "MinCut", "Planner", "bundles_of", "closure", "costs", "knapsack", "min_cut_keep", "node_cost",
 ]
 
 MUST_SAVE = CheckpointPolicy.MUST_SAVE
@@ -468,7 +469,7 @@ class Planning:
     """A region's side of planning: decides nodes from a cached plan while recording, and
     plans at the region's end when there was none (or the structure changed). Plans keep
     storages, not nodes: of an op with several results (``native_layer_norm``'s output,
-    mean and rstd) a plan may keep some and not others."""
+    mean and rstd) ``min_cut`` may keep some and not others."""
 
     def __init__(self, planner: Planner, key):
         self.planner = planner
