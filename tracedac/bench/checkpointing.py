@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -49,6 +47,7 @@ import torch
 import tracedac
 
 from . import probe
+from .child import run_child, target_lines
 from .model import GPT, Block, Config, make_batch
 from .variants import VARIANTS
 
@@ -207,26 +206,8 @@ def _checks_in_child(cfg: Config, device: torch.device, say) -> dict[str, dict]:
     Python bookkeeping (tracedac's graphs, torch checkpoint's closures) beside tensors.
     Timing stays in this process, with CPython's usual allocator.
     """
-    env = dict(os.environ, PYTHONMALLOC="malloc")
-    spec = json.dumps({"config": asdict(cfg), "device": str(device), "threads": torch.get_num_threads()})
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, spec], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    errors = []
-    for line in proc.stderr:  # progress lines; anything else is kept for an error message
-        line = line.rstrip("\n")
-        if line.startswith("["):
-            say(line)
-        else:
-            errors.append(line)
-    out = proc.stdout.read()
-    if proc.wait() != 0:
-        tail = "\n".join(errors[-20:])
-        raise RuntimeError(
-            f"the child interpreter that checks gradients and measures memory exited with "
-            f"status {proc.returncode}; its last output:\n{tail}\nRun `python -m tracedac.bench "
-            "--quick` to see whether the set-up itself works."
-        )
-    return json.loads(out)
+    spec = {"config": asdict(cfg), "device": str(device), "threads": torch.get_num_threads()}
+    return run_child(_CHILD, spec, say, "checks gradients and measures memory", "python -m tracedac.bench --quick")
 
 
 def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> dict[str, list[float]]:
@@ -439,10 +420,5 @@ def format_report(result: dict) -> str:
         f"traced by tracedac {t['traced_forward_s'] * 1e3:.0f} ms ({t['ratio']:.2f}x)"
     )
     out += ["", "targets:"]
-    for target in result["targets"]:
-        mark = "n/a " if target["passed"] is None else ("PASS" if target["passed"] else "FAIL")
-        value = "-" if target["value"] is None else f"{target['value']:.3f}{target['unit']}"
-        out.append(f"  {mark}  {target['name']}: {value} (target <= {target['limit']:.2f}{target['unit']})")
-    out.append(f"\nwall time {result['wall_s']:.1f}s; load average {result['load_average_before']:.1f} "
-               f"on {result['cpus']} CPUs before the run (other processes skew timings)")
+    out += target_lines(result)
     return "\n".join(out)

@@ -77,10 +77,8 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -94,6 +92,7 @@ import tracedac
 from tracedac import policies
 
 from . import probe
+from .child import run_child
 from .checkpointing import _Progress
 from .llama import DecoderLayer, Llama, LlamaConfig, make_batch
 
@@ -450,28 +449,10 @@ _CHILD = (
 
 def _measure_in_child(cfg: LlamaConfig, budgets, steps: int, device: torch.device, say, compare_torch: bool) -> dict:
     """``child_measure`` in a fresh interpreter where every allocation goes through glibc."""
-    env = dict(os.environ, PYTHONMALLOC="malloc")
-    spec = json.dumps({"config": asdict(cfg), "budgets": list(budgets), "steps": steps, "device": str(device),
+    spec = {"config": asdict(cfg), "budgets": list(budgets), "steps": steps, "device": str(device),
                        "compare_torch": compare_torch,
-                       "threads": torch.get_num_threads()})
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, spec], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    errors = []
-    for line in proc.stderr:  # progress lines; anything else is kept for an error message
-        line = line.rstrip("\n")
-        if line.startswith("["):
-            say(line)
-        else:
-            errors.append(line)
-    out = proc.stdout.read()
-    if proc.wait() != 0:
-        tail = "\n".join(errors[-20:])
-        raise RuntimeError(
-            f"the child interpreter that measures bytes kept exited with status {proc.returncode}; its "
-            f"last output:\n{tail}\nRun `python -m tracedac.bench --planners --quick` to see whether "
-            "the set-up itself works."
-        )
-    return json.loads(out)
+                       "threads": torch.get_num_threads()}
+    return run_child(_CHILD, spec, say, "measures bytes kept", "python -m tracedac.bench --planners --quick")
 
 
 # --- FLOPs, the library's accounting and time, in this process ----------------------------

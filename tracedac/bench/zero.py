@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import probe
+from .child import target_lines
 from .checkpointing import QUICK, _Progress
 from .collectives import AllGatherCounter
 from .model import GPT, Config, make_batch
@@ -373,10 +374,5 @@ def format_report(result: dict) -> str:
         "",
         "targets:",
     ]
-    for target in result["targets"]:
-        mark = "n/a " if target["passed"] is None else ("PASS" if target["passed"] else "FAIL")
-        value = "-" if target["value"] is None else f"{target['value']:.3f}{target['unit']}"
-        out.append(f"  {mark}  {target['name']}: {value} (target <= {target['limit']:.2f}{target['unit']})")
-    out.append(f"\nwall time {result['wall_s']:.1f}s; load average {result['load_average_before']:.1f} "
-               f"on {result['cpus']} CPUs before the run (other processes skew timings)")
+    out += target_lines(result)
     return "\n".join(out)

@@ -1,0 +1,48 @@
+"""What the benchmarks share: measuring in a child interpreter, and printing targets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+__all__ = ["run_child", "target_lines"]
+
+
+def run_child(source: str, spec: dict, say, what: str, retry: str) -> dict:
+    """Run ``source`` (which reads ``spec`` from ``sys.argv[1]`` and prints JSON) in a fresh
+    interpreter where every allocation goes through glibc (``PYTHONMALLOC=malloc``), so the
+    allocator probe counts Python objects too. Lines it writes to stderr starting with ``[``
+    are progress, passed to ``say``; a failure raises with the rest of its output, ``what``
+    it was doing and the command (``retry``) that checks the set-up."""
+    env = dict(os.environ, PYTHONMALLOC="malloc")
+    proc = subprocess.Popen([sys.executable, "-c", source, json.dumps(spec)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    errors = []
+    for line in proc.stderr:  # progress lines; anything else is kept for an error message
+        line = line.rstrip("\n")
+        if line.startswith("["):
+            say(line)
+        else:
+            errors.append(line)
+    out = proc.stdout.read()
+    if proc.wait() != 0:
+        tail = "\n".join(errors[-20:])
+        raise RuntimeError(
+            f"the child interpreter that {what} exited with status {proc.returncode}; its last "
+            f"output:\n{tail}\nRun `{retry}` to see whether the set-up itself works."
+        )
+    return json.loads(out)
+
+
+def target_lines(result: dict) -> list[str]:
+    """The targets of a benchmark's result, one PASS/FAIL line each, and the run's conditions."""
+    out = []
+    for target in result["targets"]:
+        mark = "n/a " if target["passed"] is None else ("PASS" if target["passed"] else "FAIL")
+        value = "-" if target["value"] is None else f"{target['value']:.3f}{target['unit']}"
+        out.append(f"  {mark}  {target['name']}: {value} (target <= {target['limit']:.2f}{target['unit']})")
+    out.append(f"\nwall time {result['wall_s']:.1f}s; load average {result['load_average_before']:.1f} "
+               f"on {result['cpus']} CPUs before the run (other processes skew timings)")
+    return out
