@@ -461,19 +461,22 @@ def checkpoint_call(function, *args, policy=None, use_reentrant=False, preserve_
     return run_region(function, args, kwargs, policy, region_name)
 
 
-def _matcher(match):
+def module_matcher(match, where: str = "wrap(match=...)"):
+    """A predicate ``(qualified_name, module) -> bool`` from a class, a tuple of classes or a
+    predicate, as ``wrap`` and ``tracedac.zero.shard`` take them; ``where`` names the argument
+    in errors."""
     if isinstance(match, type):
         if not issubclass(match, nn.Module):
-            raise TypeError(f"wrap(match=...) takes nn.Module classes, got {match!r}")
+            raise TypeError(f"{where} takes nn.Module classes, got {match!r}")
         return lambda name, m: isinstance(m, match)
     if isinstance(match, tuple):
         if not match or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in match):
-            raise TypeError(f"wrap(match=...) takes a non-empty tuple of nn.Module classes, got {match!r}")
+            raise TypeError(f"{where} takes a non-empty tuple of nn.Module classes, got {match!r}")
         return lambda name, m: isinstance(m, match)
     if callable(match):
         return match
     raise TypeError(
-        "wrap(match=...) takes an nn.Module class, a tuple of them, or a predicate "
+        f"{where} takes an nn.Module class, a tuple of them, or a predicate "
         f"(qualified_name, module) -> bool, got {match!r} of type {type(match).__name__}"
     )
 
@@ -488,7 +491,7 @@ def wrap(model: nn.Module, match, policy=None) -> nn.Module:
         raise TypeError(f"wrap() takes an nn.Module, got {type(model).__name__}")
     policy = recompute_all() if policy is None else policy
     check_policy(policy)
-    pred = _matcher(match)
+    pred = module_matcher(match)
     matched = []
 
     def visit(prefix: str, module: nn.Module):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import current_region
+from ..checkpoint import current_region, module_matcher
 from .errors import ZeroError
 from .ops import FlatParam, Gathered, Handle, Prefetch, handle_for
 
@@ -156,19 +156,7 @@ def sharded(module) -> Sharded:
 
 
 def _unit_matcher(units):
-    if units is None:
-        return None
-    if isinstance(units, type) or (isinstance(units, tuple) and units):
-        classes = units if isinstance(units, tuple) else (units,)
-        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            raise TypeError(f"shard(units=...) takes nn.Module classes, got {units!r}")
-        return lambda name, m: isinstance(m, classes)
-    if callable(units):
-        return units
-    raise TypeError(
-        "shard(units=...) takes an nn.Module class, a non-empty tuple of them, or a predicate "
-        f"(qualified_name, module) -> bool, got {units!r} of type {type(units).__name__}"
-    )
+    return None if units is None else module_matcher(units, "shard(units=...)")
 
 
 def _choose_units(module: nn.Module, match) -> dict[int, str]:
