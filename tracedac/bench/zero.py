@@ -349,9 +349,12 @@ def format_report(result: dict) -> str:
     header = ["variant", "step (median)", "vs FSDP2", "held after fwd", "of it fixed", "full unit held?",
               "all-gather / step", f"loss after {result['steps']}", "|loss - replicated|"]
     cells = [header] + [_row_cells(r) for r in result["variants"]]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    # a variant that did not run says why across the row: its message sets no column's width
+    widths = [max(len(c[i]) for c in cells if i == 0 or c[2:] != [""] * 7) for i in range(len(header))]
 
     def line(c: list[str]) -> str:
+        if c[2:] == [""] * 7 and c is not header:
+            return f"{c[0].ljust(widths[0])}  {c[1]}"
         return "  ".join(x.ljust(w) if i in (0, 6) else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))).rstrip()
 
     units = result["units"]
