@@ -3,7 +3,6 @@
 import pathlib
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).parent.parent / "notebooks"

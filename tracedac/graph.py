@@ -67,7 +67,7 @@ class Node:
 
     __slots__ = (
         "index", "op", "args", "kwargs", "outputs", "writes", "creates", "rng",
-        "labels", "module_path", "source", "decision", "planner", "time_ns", "_flops",
+        "labels", "module_path", "source", "decision", "_flops",
     )
 
     def __init__(self, index, op, args, kwargs, outputs, writes, creates, rng, module_path, source):
@@ -85,8 +85,6 @@ class Node:
         self.module_path = module_path
         self.source = source
         self.decision = None  # the CheckpointPolicy decided for this node
-        self.planner = None  # the planner (its repr) that decided to keep it, if one did
-        self.time_ns = None  # how long the op took when recorded, if the region timed ops
         self._flops = None
 
     @property
@@ -188,7 +186,7 @@ class RegionGraph:
         self.passes = 0  # replay passes run, for tests and reports
         self.replayed_ops = 0
         self.namer = _shape_name  # outside tensor -> a name for error messages
-        self.full_bytes = None  # what the region would keep without checkpointing (planners set it)
+        self.times: dict[int, int] = {}  # node index -> ns the op took, if the region timed ops
         self.plan = None  # the last replay plan, reused while it still answers what is wanted
 
     def add_slot(self, slot) -> None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from .checkpoint import Region, reporting, run_region
 from .graph import RegionGraph, human_bytes
+from .planners import PREFER_SAVE, planner_of
 from .policies import check_policy, describe_policy, recompute_all
 from .replay import plan
 
@@ -86,15 +87,18 @@ def _storage_key(t: torch.Tensor):
     return t.untyped_storage()._cdata
 
 
-def _why(policy: str, node) -> str:
-    if node.planner is not None:
-        return f"kept by {node.planner}" + ("" if node.planner == policy else f" in {policy}")
+def _why(policy: str, planner, node) -> str:
+    # In a planned region every PREFER_SAVE is the planner's: the others' MUSTs bind it.
+    if planner is not None and node.decision is PREFER_SAVE:
+        name = repr(planner)
+        return f"kept by {name}" + ("" if name == policy else f" in {policy}")
     return f"{policy} -> {node.decision.name}"
 
 
 def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
     graph: RegionGraph = region.graph
     policy = describe_policy(graph.policy)
+    planner = planner_of(graph.policy)
     rows: list[SavedRow] = []
     seen = set()
 
@@ -117,11 +121,11 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
         elif h.tensor is not None:
             g = graph.groups[h.meta.group]
             node = g.node
-            add(h.tensor, "activation", node, _why(policy, node))
+            add(h.tensor, "activation", node, _why(policy, planner, node))
     for g in graph.groups:
         if g.held is not None:
             node = g.node
-            add(g.held, "activation", node, f"{_why(policy, node)}; replay reads it")
+            add(g.held, "activation", node, f"{_why(policy, planner, node)}; replay reads it")
         if g.external is not None:
             add(g.external, "input", None, f"{graph.namer(g.external)}: replay reads it")
         if g.snapshot is not None:

@@ -56,20 +56,21 @@ def _bytes_moved(node: Node) -> int:
     return sum(m.nbytes for m in node.tensor_args) + sum(o.nbytes for o in node.outputs if o is not None)
 
 
-def node_cost(node: Node, cost: str | Callable = "flops") -> tuple:
+def node_cost(node: Node, cost: str | Callable = "flops", times: dict | None = None) -> tuple:
     """What replaying ``node`` once costs, as a tuple compared in order.
 
     ``"flops"``: (FLOPs by torch's formulas, bytes the op reads and writes). Matmuls,
     attention and convolutions are priced by their FLOPs; ops without a formula
     (pointwise, reductions, copies: memory-bound) by the bytes they move, which also decide
     between plans of equal FLOPs. ``"time"``: (nanoseconds the op took when it was recorded;
-    ``memory_budget(..., cost="time")`` makes the region time every op). A callable
+    ``memory_budget(..., cost="time")`` makes the region time every op into ``times``, the
+    graph's ``times``). A callable
     ``cost(node) -> number`` is used as it is.
     """
     if cost == "flops":
         return (node.flops, _bytes_moved(node))
     if cost == "time":
-        t = node.time_ns
+        t = (times or {}).get(node.index)
         if t is None:
             raise CheckpointError(
                 f"cost='time' needs the recorded duration of {node.name}, and this graph was "
@@ -144,7 +145,7 @@ def costs(graph: RegionGraph, bundles: list[list[int]], cost="flops", items=None
         for i in run:
             c = memo.get(i)
             if c is None:
-                c = memo[i] = node_cost(graph.nodes[i], cost)
+                c = memo[i] = node_cost(graph.nodes[i], cost, graph.times)
             total = c if total is None else tuple(x + y for x, y in zip(total, c))
         if total is None:
             total = tuple(0 for _ in node_cost_shape(cost))
@@ -370,23 +371,31 @@ class MemoryBudget(Planner):
         return self.budget
 
     def choose(self, graph, items, wanted, forced_in, forced_out, full, decisions, live) -> set[int]:
-        limit = self.bytes_for(full)
+        return self.prepare(graph, items, forced_in, forced_out)(self.bytes_for(full), self)
+
+    def prepare(self, graph, items, forced_in, forced_out):
+        """The knapsack for this graph, priced once: a function of the byte limit (and the
+        planner, for messages), so a sweep over budgets (``trade_off``) prices it once."""
         groups = graph.groups
-        forced_bytes = sum(groups[g].nbytes for g in forced_in)
-        if forced_bytes > limit:
-            names = ", ".join(sorted({groups[g].node.name for g in forced_in}))
-            raise CheckpointError(
-                f"region {graph.name!r}: the policy must keep {human_bytes(forced_bytes)} (MUST_SAVE "
-                f"results of {names}), more than {self!r} allows ({human_bytes(limit)} of "
-                f"{human_bytes(full)}). Raise the budget, or make those decisions PREFER_SAVE so "
-                "the budget may drop them."
-            )
         forced = set(forced_in)
+        forced_bytes = sum(groups[g].nbytes for g in forced)
         free = [b for b in bundles_of(graph, items)
                 if not any(g in forced_out for g in b) and not all(g in forced for g in b)]
-        chosen, _ = knapsack([sum(groups[g].nbytes for g in b if g not in forced) for b in free],
-                             costs(graph, free, self.cost, items), limit - forced_bytes)
-        return {g for i in chosen for g in free[i]} | forced
+        weights = [sum(groups[g].nbytes for g in b if g not in forced) for b in free]
+        values = costs(graph, free, self.cost, items)
+
+        def solve(limit: int, planner) -> set[int]:
+            if forced_bytes > limit:
+                names = ", ".join(sorted({groups[g].node.name for g in forced}))
+                raise CheckpointError(
+                    f"region {graph.name!r}: the policy must keep {human_bytes(forced_bytes)} (MUST_SAVE "
+                    f"results of {names}), more than {planner!r} allows ({human_bytes(limit)}). Raise the "
+                    "budget, or make those decisions PREFER_SAVE so the budget may drop them."
+                )
+            chosen, _ = knapsack(weights, values, limit - forced_bytes)
+            return {g for i in chosen for g in free[i]} | forced
+
+        return solve
 
     def __repr__(self) -> str:
         extra = "" if self.cost == "flops" else f", cost={self.cost!r}"
@@ -473,7 +482,6 @@ class Planning:
 
     def __init__(self, planner: Planner, key):
         self.planner = planner
-        self.name = repr(planner)
         self.key = key
         entry = plans.get(key) if key is not None else None
         self.cached = entry  # (signatures, kept group ids) while the recording agrees with it
@@ -495,7 +503,7 @@ class Planning:
             if node.index < len(sigs) and sigs[node.index] == sig:
                 produced = [node.outputs[k].group for k in node.creates] + list(node.writes)
                 if any(g in self.keep for g in produced):
-                    node.decision, node.planner = PREFER_SAVE, self.name
+                    node.decision = PREFER_SAVE
                     return self.planner.holds_unsaved
                 node.decision = PREFER_RECOMPUTE
                 return False
@@ -531,17 +539,16 @@ class Planning:
         forced_out = {g for g in items if g not in live or groups[g].node.decision is MUST_RECOMPUTE}
         keep = self.planner.choose(graph, items, wanted, forced_in, forced_out, full, decisions, live)
         keep = {g for g in keep if g in live}
-        graph.full_bytes = full  # what "without checkpointing" would keep, for reports
         # Apply: the chosen storages stay; everything else held for the plan is let go.
         for node in graph.nodes:
             if node.decision is not MUST_SAVE and node.decision is not MUST_RECOMPUTE:
-                node.decision, node.planner = PREFER_RECOMPUTE, None
+                node.decision = PREFER_RECOMPUTE
         for g in groups:
             node = g.node
             if node is None or node.decision is MUST_SAVE:
                 continue
             if g.id in keep:
-                node.decision, node.planner = PREFER_SAVE, self.name
+                node.decision = PREFER_SAVE
             else:
                 g.held = None
         still = []

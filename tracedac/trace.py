@@ -375,7 +375,7 @@ class TracerMode(TorchDispatchMode):
             node.outputs = tuple([self._meta(o) if isinstance(o, _Tensor) else None for o in flat])
         graph.nodes.append(node)
         if self.timing:
-            node.time_ns = elapsed[1]
+            graph.times[node.index] = elapsed[1]
         if rng is not None:
             self.rng_last[rng[0]] = (node.index, rng[0].get_state())
         if region.decide(node):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .graph import human_bytes
 from .inspect import record
 from .planners import (
-    MUST_RECOMPUTE, MUST_SAVE, MemoryBudget, closure, full_bytes, items_of, must_decisions, planner_of,
+    MUST_RECOMPUTE, MUST_SAVE, MemoryBudget, closure, full_bytes, items_of, planner_of,
     region_values,
 )
 from .policies import Either, decision, either, is_save, memory_budget, recompute_all, save_all, save_matmuls
@@ -77,10 +77,10 @@ class _Region:
         self.wanted = region_values(graph, region.handles)
         self.items = items_of(graph, self.wanted)
         self.full = full_bytes(graph, self.wanted)
-        self.decisions = must_decisions(graph)
         groups = graph.groups
         self.forced_in = [g for g in self.items if groups[g].node.decision is MUST_SAVE]
         self.forced_out = {g for g in self.items if groups[g].node.decision is MUST_RECOMPUTE}
+        self._prepared: dict = {}
 
     def evaluate(self, kept: set) -> tuple[int, int, int]:
         """(bytes kept, replay FLOPs, ops replayed) when the storages ``kept`` are held."""
@@ -91,8 +91,11 @@ class _Region:
         return (sum(graph.groups[g].nbytes for g in used), sum(graph.nodes[i].flops for i in run), len(run))
 
     def plan(self, planner: MemoryBudget) -> set:
-        return planner.choose(self.graph, self.items, self.wanted, self.forced_in, self.forced_out, self.full,
-                              self.decisions, set(self.items))
+        solve = self._prepared.get(planner.cost)
+        if solve is None:  # priced once per cost model, whatever the number of budgets
+            solve = self._prepared[planner.cost] = planner.prepare(self.graph, self.items, self.forced_in,
+                                                                   self.forced_out)
+        return solve(planner.bytes_for(self.full), planner)
 
     def kept_by(self, policy) -> set:
         """What a per-op policy keeps: the storages whose last writer it decides to save."""

@@ -47,7 +47,7 @@ import torch
 import tracedac
 
 from . import probe
-from .child import run_child, target_lines
+from .child import run_child, target_lines, time_in_turns
 from .model import GPT, Block, Config, make_batch
 from .variants import VARIANTS
 
@@ -219,15 +219,13 @@ def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> dict[s
     for model in models.values():
         _step(model, batch, cfg.seed)
         _clear_grads(model)
-    times: dict[str, list[float]] = {k: [] for k in models}
-    order = list(models)
-    for rep in range(steps):
-        for key in order[rep % len(order):] + order[:rep % len(order)]:
-            gc.collect()
-            times[key].append(_timed(device, _step, models[key], batch, cfg.seed + rep)[0])
-            _clear_grads(models[key])
-        say(f"timing: step {rep + 1}/{steps} done for {len(order)} variants")
-    return times
+
+    def timed_step(key, rep):
+        seconds = _timed(device, _step, models[key], batch, cfg.seed + rep)[0]
+        _clear_grads(models[key])
+        return seconds
+
+    return time_in_turns(models, steps, timed_step, say)
 
 
 def _compare(cfg: Config, steps: int, device: torch.device, say) -> list[dict]:

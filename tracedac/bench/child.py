@@ -1,13 +1,15 @@
-"""What the benchmarks share: measuring in a child interpreter, and printing targets."""
+"""What the benchmarks share: measuring in a child interpreter, timing variants in turns, and
+printing targets."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 
-__all__ = ["run_child", "target_lines"]
+__all__ = ["run_child", "target_lines", "time_in_turns"]
 
 
 def run_child(source: str, spec: dict, say, what: str, retry: str) -> dict:
@@ -34,6 +36,20 @@ def run_child(source: str, spec: dict, say, what: str, retry: str) -> dict:
             f"output:\n{tail}\nRun `{retry}` to see whether the set-up itself works."
         )
     return json.loads(out)
+
+
+def time_in_turns(keys, steps: int, timed_step, say, what: str = "timing") -> dict[str, list[float]]:
+    """Seconds of ``steps`` steps of each key, taking turns: each round starts one key later,
+    so a drift of the machine (a neighbour's load, frequency) falls on every key alike.
+    ``timed_step(key, rep)`` runs one step and returns its seconds."""
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    order = list(keys)
+    for rep in range(steps):
+        for key in order[rep % len(order):] + order[:rep % len(order)]:
+            gc.collect()
+            times[key].append(timed_step(key, rep))
+        say(f"{what}: step {rep + 1}/{steps} done for {len(order)} variants")
+    return times
 
 
 def target_lines(result: dict) -> list[str]:

@@ -92,7 +92,7 @@ import tracedac
 from tracedac import policies
 
 from . import probe
-from .child import run_child
+from .child import run_child, time_in_turns
 from .checkpointing import _Progress
 from .llama import DecoderLayer, Llama, LlamaConfig, make_batch
 
@@ -143,12 +143,6 @@ def _flop_counter() -> FlopCounterMode:
 
 
 # --- variants ------------------------------------------------------------------------------
-
-
-def _planner_missing() -> str | None:
-    if getattr(policies, "memory_budget", None) is None:
-        return "tracedac.policies.memory_budget is not in this installation"
-    return None
 
 
 def _variants(budgets, matched=()) -> list[dict]:
@@ -368,11 +362,6 @@ def _measure_tracedac(cfg: LlamaConfig, budgets, matched, device: torch.device, 
     found = {}
     variants = _variants(budgets, matched)
     for i, v in enumerate(variants, 1):
-        missing = _planner_missing() if v["spec"] not in ("none", "save_all", "recompute_all") else None
-        if missing:
-            say(f"[{i}/{len(variants)}] tracedac {v['label']}: skipped ({missing})")
-            found[v["key"]] = {"status": missing}
-            continue
         say(f"[{i}/{len(variants)}] tracedac {v['label']}: bytes kept")
         model = _build(base, v["spec"])
         _step(model, batch)  # the first step plans; the measured one uses the cached plan
@@ -468,18 +457,15 @@ def _backward_flops(model: Llama, batch) -> int:
     return counter.get_total_flops()
 
 
-def _library_rows(base: Llama, batch, variants) -> dict | str:
+def _library_rows(base: Llama, batch, variants) -> dict:
     """``trade_off`` per layer on that layer's input, summed over the layers, per variant key
     of each budget row; ``"full"``: the library's bytes kept without checkpointing."""
-    trade_off = getattr(tracedac, "trade_off", None)
-    if trade_off is None:
-        return "tracedac.trade_off is not in this installation"
     planned = [v for v in variants if v["budget"] is not None or "region_bytes" in v]
     budgets = [v["budget"] if v["budget"] is not None else v["region_bytes"] for v in planned]
     total = {v["key"]: {"bytes_kept": 0, "replay_flops": 0, "ops_replayed": 0} for v in planned}
     total["full"] = 0
     for layer, x in zip(base.layers, _layer_inputs(base, batch)):
-        rows = trade_off(layer, x, budgets=budgets)  # in the order asked, when budgets are given
+        rows = tracedac.trade_off(layer, x, budgets=budgets)  # in the order asked, when budgets are given
         total["full"] += rows.full
         for v, row in zip(planned, rows):
             for field in ("bytes_kept", "replay_flops", "ops_replayed"):
@@ -492,17 +478,15 @@ def _time_tracedac(models: dict[str, Llama], batch, steps: int, say) -> dict[str
     for model in models.values():
         _step(model, batch)
         _clear_grads(model)
-    times: dict[str, list[float]] = {k: [] for k in models}
-    order = list(models)
-    for rep in range(steps):
-        for key in order[rep % len(order):] + order[:rep % len(order)]:
-            gc.collect()
-            start = time.perf_counter()
-            _step(models[key], batch)
-            times[key].append(time.perf_counter() - start)
-            _clear_grads(models[key])
-        say(f"timing tracedac: step {rep + 1}/{steps} done for {len(order)} variants")
-    return times
+
+    def timed_step(key, rep):
+        start = time.perf_counter()
+        _step(models[key], batch)
+        seconds = time.perf_counter() - start
+        _clear_grads(models[key])
+        return seconds
+
+    return time_in_turns(models, steps, timed_step, say, "timing tracedac")
 
 
 # --- peak during forward ------------------------------------------------------------------
@@ -532,11 +516,8 @@ def _forward_peak(model: Llama, batch) -> int:
 
 
 def _peaks(base: Llama, batch, steps: int, say) -> dict:
-    missing = _planner_missing()
-    spec = "recompute_all" if missing else PEAK_BUDGET
-    label = "recompute_all() (stand-in: memory_budget missing)" if missing else f"memory_budget({PEAK_BUDGET})"
     found = {}
-    for key, name, s in (("none", "no checkpoint", "none"), ("budget", label, spec)):
+    for key, name, s in (("none", "no checkpoint", "none"), ("budget", f"memory_budget({PEAK_BUDGET})", PEAK_BUDGET)):
         say(f"peak during forward: {name}, {steps} steps")
         model = _build(base, s)
         found[key] = {"label": name, "peaks": [_forward_peak(model, batch) for _ in range(steps)]}
@@ -578,11 +559,10 @@ def _tracedac_rows(cfg, variants, measured, library, flops, times) -> list[dict]
         row["within_budget"] = row["bytes_kept"] <= row["budget_bytes"] + SLACK_PER_REGION * cfg.layers
         row["tensors_within_budget"] = (row["tensor_bytes"]
                                         <= row["budget_tensor_bytes"] + TENSOR_SLACK_PER_REGION * cfg.layers)
-        if isinstance(library, dict):
-            lib = library[v["key"]]
-            row.update(lib_full_bytes=library["full"], lib_bytes_kept=lib["bytes_kept"],
-                       lib_replay_flops=lib["replay_flops"], lib_ops_replayed=lib["ops_replayed"],
-                       flops_match=lib["replay_flops"] == row["replay_flops"])
+        lib = library[v["key"]]
+        row.update(lib_full_bytes=library["full"], lib_bytes_kept=lib["bytes_kept"],
+                   lib_replay_flops=lib["replay_flops"], lib_ops_replayed=lib["ops_replayed"],
+                   flops_match=lib["replay_flops"] == row["replay_flops"])
         rows.append(row)
     return rows
 
@@ -694,8 +674,8 @@ def run(cfg: LlamaConfig = LlamaConfig(), *, steps: int = 3, budgets=BUDGETS, qu
         "device": str(dev),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "planner": "memory_budget" if _planner_missing() is None else _planner_missing(),
-        "library": library if isinstance(library, str) else "trade_off",
+        "planner": "memory_budget",
+        "library": "trade_off",
         "probe": f"{probe.describe(dev)}, child interpreter with PYTHONMALLOC=malloc",
         "torch_backend": "aot_autograd + inductor decompositions + min_cut_rematerialization_partition, "
                          "graphs run eagerly (no inductor kernels)",

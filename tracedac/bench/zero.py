@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import probe
-from .child import target_lines
+from .child import target_lines, time_in_turns
 from .checkpointing import QUICK, _Progress
 from .collectives import AllGatherCounter
 from .model import GPT, Config, make_batch
@@ -100,8 +100,7 @@ def _step(trainer: Trainer, batch, seed: int) -> torch.Tensor:
 
 
 def _timed_step(trainer: Trainer, batch, seed: int) -> tuple[float, torch.Tensor]:
-    gc.collect()
-    dist.barrier()
+    dist.barrier()  # (time_in_turns collected garbage just before)
     start = time.perf_counter()
     loss = _step(trainer, batch, seed)
     dist.barrier()  # the step ends when the slowest rank's does
@@ -165,15 +164,14 @@ def _measure(cfg: Config, steps: int, say) -> dict[str, dict]:
     say(f"timing: one untimed step per variant, then {steps} timed")
     for trainer in trainers.values():
         _step(trainer, batch, cfg.seed)
-    times: dict[str, list[float]] = {k: [] for k in trainers}
     losses: dict[str, float] = {}
-    order = list(trainers)
-    for rep in range(steps):
-        for key in order[rep % len(order):] + order[:rep % len(order)]:
-            seconds, loss = _timed_step(trainers[key], batch, cfg.seed + 1 + rep)
-            times[key].append(seconds)
-            losses[key] = float(loss)
-        say(f"timing: step {rep + 1}/{steps} done for {len(order)} variants")
+
+    def timed_step(key, rep):
+        seconds, loss = _timed_step(trainers[key], batch, cfg.seed + 1 + rep)
+        losses[key] = float(loss)
+        return seconds
+
+    times = time_in_turns(trainers, steps, timed_step, say)
     say("all-gather bytes, then bytes held after forward at the rank's batch and at twice it")
     for key, trainer in trainers.items():
         with AllGatherCounter() as counter:
