@@ -34,6 +34,37 @@ def test_each_op_that_allocates_is_a_node_and_views_are_read_off_their_storage()
     assert graph.groups[0].creator is None and graph.groups[0].external is not None, "x: from outside"
 
 
+def test_a_view_of_an_outside_tensor_registers_the_tensor_itself_not_the_view():
+    """Views are not recorded, but the first view of an input registers its storage with the
+    input as the group's outside tensor, as a recorded op would: an owner that can rebuild
+    the input (tracedac.zero's gathers) recognizes the tensor, not a view of it."""
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x):
+        return (x @ w.t()).sum()
+
+    graph, _ = record(f, torch.randn(3, 4, requires_grad=True))
+    externals = [g.external for g in graph.groups if g.creator is None]
+    assert any(e is w for e in externals), "w's group was made from w, not from w.t()"
+    mm = graph.nodes[0]
+    assert mm.args[1].stride == (1, 4), "the view's geometry is still read off at its use"
+
+
+def test_a_tensor_read_by_several_ops_is_one_meta_shared_by_their_nodes():
+    """The graph keeps one TensorMeta per distinct tensor seen (its bookkeeping is memory the
+    region holds until backward)."""
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x):
+        a = x @ w.t()
+        b = (x + 1) @ w.t()  # another op in between: the per-op cache has moved on
+        return (a * b).sum()
+
+    graph, _ = record(f, torch.randn(3, 4, requires_grad=True))
+    first, second = [n for n in graph.nodes if n.op.overloadpacket is aten.mm]
+    assert first.args[1] is second.args[1]
+
+
 def test_writes_make_new_states_of_a_storage():
     def f(x):
         h = x + 1

@@ -199,11 +199,6 @@ class RegionGraph:
             self._slots = [weakref.ref(s) for s in alive]
         return alive
 
-    def new_group(self, nbytes: int, device: torch.device) -> Group:
-        g = Group(len(self.groups), nbytes, device)
-        self.groups.append(g)
-        return g
-
     def __repr__(self) -> str:
         return f"RegionGraph({self.name!r}, {len(self.nodes)} nodes, {len(self.groups)} storages)"
 

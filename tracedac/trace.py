@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CheckpointError
 from .graph import Group, Node, RegionGraph, TensorMeta, flatten_outputs
+from .policies import RECOMPUTE_OPS, is_save
 
 __all__ = ["TracerMode", "current_module_path"]
 
@@ -28,12 +29,15 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
 class _OpInfo:
-    __slots__ = ("writes", "rebinds", "seeded")
+    __slots__ = ("writes", "rebinds", "seeded", "view")
 
-    def __init__(self, writes, rebinds, seeded):
+    def __init__(self, writes, rebinds, seeded, view):
         self.writes = writes  # ((position, name), ...) of arguments whose data the op writes
         self.rebinds = rebinds  # arguments whose geometry it rewrites in place
         self.seeded = seeded  # draws from a random generator
+        # a pure view (transpose, select, split...): allocates and writes nothing, so there
+        # is nothing to record; a third of a transformer's ops
+        self.view = view
 
 
 _INFO: dict = {}
@@ -53,7 +57,11 @@ def op_info(func) -> _OpInfo:
     # data. Geometry is read off the tensor at every use, so that is an ordinary view to us,
     # as long as the tensor stays on its storage (set_ and a growing resize_ do not).
     seeded = torch.Tag.nondeterministic_seeded in tags
-    info = _OpInfo((), written, seeded) if torch.Tag.inplace_view in tags else _OpInfo(written, (), seeded)
+    view = bool(getattr(func, "is_view", False)) and not written and not seeded
+    if torch.Tag.inplace_view in tags:
+        info = _OpInfo((), written, seeded, False)
+    else:
+        info = _OpInfo(written, (), seeded, view)
     _INFO[id(func)] = (func, info)  # by id: OpOverload.__hash__ is a Python method; func pins the id
     return info
 
@@ -203,7 +211,8 @@ class TracerMode(TorchDispatchMode):
         # reference until close(), so a freed storage's address is never reused meanwhile.
         self.storages: dict[int, Group] = {}
         self._pins: list[int] = []
-        self.shapes: dict[tuple, tuple] = {}  # one tuple per distinct size or stride: graphs hold many
+        self.shapes: dict = {}  # one object per distinct size, stride or storage size: graphs hold many
+        self.metas: dict[tuple, TensorMeta] = {}  # one TensorMeta per distinct tensor (see _new_meta)
         # id -> (tensor, meta, group) for the tensors around the op being recorded (the last
         # recorded op's results, and what was read or packed since), shared between nodes
         # and the handles autograd saves. Reset at every recorded op: it pins nothing for long.
@@ -212,6 +221,9 @@ class TracerMode(TorchDispatchMode):
         self.devices: dict = {}
         self.sources = region.report
         self.timing = getattr(region, "timing", False)  # cost="time" planners: each op's duration
+        # A constant policy with no planner decides every node alike: decided inline.
+        self.fixed = region.constant if getattr(region, "planning", None) is None else None
+        self.fixed_saves = self.fixed is not None and is_save(self.fixed)
 
     def close(self) -> None:
         """Release the pinned storage addresses (the region has ended)."""
@@ -221,6 +233,7 @@ class TracerMode(TorchDispatchMode):
         self._pins = []
         self.storages = {}
         self.shapes = {}
+        self.metas = {}
         self.recent = {}
         self.rng_last = {}
 
@@ -239,15 +252,18 @@ class TracerMode(TorchDispatchMode):
         g.external = t
         return g
 
-    def _group(self, storage, device) -> Group:
+    def _new_group(self, t: torch.Tensor) -> Group:
+        """A new group for ``t``'s storage (one call: it runs for every op that allocates)."""
+        storage = t.untyped_storage()
+        device = t.device
         device = self.devices.setdefault(device, device)  # one object per device, not per group
-        g = self.graph.new_group(storage.nbytes(), device)
+        groups = self.graph.groups
+        nbytes = storage.nbytes()
+        g = Group(len(groups), self.shapes.setdefault(nbytes, nbytes), device)  # one int object per size
+        groups.append(g)
         self.storages[storage._cdata] = g
         self._pins.append(storage._weak_ref())
         return g
-
-    def _new_group(self, t: torch.Tensor) -> Group:
-        return self._group(t.untyped_storage(), t.device)
 
     def _meta(self, t: torch.Tensor) -> TensorMeta:
         """``t`` as it is now. Autograd saves the arguments or results of the op being
@@ -265,10 +281,15 @@ class TracerMode(TorchDispatchMode):
         return self._new_meta(t, g or self.external(t))
 
     def _new_meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
-        size, stride = t.size(), t.stride()
-        shapes = self.shapes
-        m = TensorMeta(g.id, len(g.mutations), t.dtype, shapes.setdefault(size, size),
-                       shapes.setdefault(stride, stride), t.storage_offset())
+        # One meta per distinct tensor seen: the graph and the handles share it (the same
+        # weight view read by several ops, an activation read again after other ops).
+        size, stride, state, dtype, offset = t.size(), t.stride(), len(g.mutations), t.dtype, t.storage_offset()
+        key = (g.id, state, dtype, size, stride, offset)
+        m = self.metas.get(key)
+        if m is None:
+            shapes = self.shapes
+            m = self.metas[key] = TensorMeta(g.id, state, dtype, shapes.setdefault(size, size),
+                                             shapes.setdefault(stride, stride), offset)
         self.recent[id(t)] = (t, m, g)
         return m
 
@@ -318,10 +339,37 @@ class TracerMode(TorchDispatchMode):
         info = _INFO.get(id(func))
         info = info[1] if info is not None else op_info(func)
         storages = self.storages
+        if info.view:
+            # Only register an outside storage seen for the first time, so that its group
+            # is made from the tensor the program passed (an input, a parameter), not from
+            # a view of it; the view's geometry is read off it wherever it is used.
+            for a in args:
+                if isinstance(a, _Tensor):
+                    try:
+                        if _address(a) not in storages:
+                            self.external(a)
+                    except (RuntimeError, NotImplementedError):
+                        _check_replayable(a)
+                        raise
+            return func._op(*args, **kwargs)
         # Arguments first: this registers outside storages before the outputs are looked at
         # (so a view of an input is not taken for a new storage), and records what a writing
-        # op read before it writes. Most arguments are the last op's results: cached metas.
-        margs = tuple([self._arg(a) for a in args])
+        # op read before it writes. Most arguments are the last op's results: cached metas
+        # (the cache test is _meta's, inlined: this loop runs for every argument of every op).
+        recent = self.recent
+        margs = []
+        for a in args:
+            if isinstance(a, _Tensor):
+                r = recent.get(id(a))
+                if r is not None and r[0] is a and r[1].state == len(r[2].mutations):
+                    margs.append(r[1])
+                else:
+                    margs.append(self._meta(a))
+            elif a.__class__ in _SEQUENCES:
+                margs.append(self._map(a))
+            else:
+                margs.append(a)
+        margs = tuple(margs)
         mkwargs = {k: self._arg(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
         written = self._writes(info, args, kwargs) if info.writes or info.rebinds else ()
         rng = self._random(args, kwargs) if info.seeded else None
@@ -349,10 +397,8 @@ class TracerMode(TorchDispatchMode):
             created = () if _address(out) in storages else ((0, self._new_group(out)),)
         else:
             flat = flatten_outputs(out)
-            created = []
-            for i, o in enumerate(flat):
-                if isinstance(o, _Tensor) and _address(o) not in storages:
-                    created.append((i, self._new_group(o)))
+            created = [(i, self._new_group(o)) for i, o in enumerate(flat)
+                       if isinstance(o, _Tensor) and _address(o) not in storages]
         if not created and not written:
             return out  # a view or a read: nothing to replay, nothing to keep
 
@@ -368,7 +414,7 @@ class TracerMode(TorchDispatchMode):
             g.add_mutation(node)
         for _, g in created:
             g.creator = node
-        self.recent = {}  # from here on: this op's results
+        recent.clear()  # from here on: this op's results
         if len(flat) == 1 and created:
             node.outputs = (self._new_meta(out, created[0][1]),)  # its group is the one just made
         else:
@@ -378,11 +424,17 @@ class TracerMode(TorchDispatchMode):
             graph.times[node.index] = elapsed[1]
         if rng is not None:
             self.rng_last[rng[0]] = (node.index, rng[0].get_state())
-        if region.decide(node):
-            # Held as the program's own tensors for now: a detach() down here, below autograd,
-            # would not share their version counter (the region makes proper aliases later).
-            for i, g in created:
-                region.hold(g, flat[i])
-            for t, g, _, _ in written:
-                region.hold(g, t)
+        fixed = self.fixed
+        if fixed is not None and id(func) not in RECOMPUTE_OPS:
+            node.decision = fixed  # what region.decide does for a constant policy and no planner
+            if not self.fixed_saves:
+                return out
+        elif not region.decide(node):
+            return out
+        # Held as the program's own tensors for now: a detach() down here, below autograd,
+        # would not share their version counter (the region makes proper aliases later).
+        for i, g in created:
+            region.hold(g, flat[i])
+        for t, g, _, _ in written:
+            region.hold(g, t)
         return out

@@ -15,10 +15,13 @@ __all__ = ["run_child", "target_lines", "time_in_turns"]
 def run_child(source: str, spec: dict, say, what: str, retry: str) -> dict:
     """Run ``source`` (which reads ``spec`` from ``sys.argv[1]`` and prints JSON) in a fresh
     interpreter where every allocation goes through glibc (``PYTHONMALLOC=malloc``), so the
-    allocator probe counts Python objects too. Lines it writes to stderr starting with ``[``
+    allocator probe counts Python objects too, and glibc's per-thread cache of freed small
+    chunks is off (``tcache_count=0``): ``mallinfo2`` counts a chunk parked there as in use,
+    which made the same forward read tens of KiB apart from run to run. Lines it writes to stderr starting with ``[``
     are progress, passed to ``say``; a failure raises with the rest of its output, ``what``
     it was doing and the command (``retry``) that checks the set-up."""
-    env = dict(os.environ, PYTHONMALLOC="malloc")
+    tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.tcache_count=0") if t)
+    env = dict(os.environ, PYTHONMALLOC="malloc", GLIBC_TUNABLES=tunables)
     proc = subprocess.Popen([sys.executable, "-c", source, json.dumps(spec)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     errors = []

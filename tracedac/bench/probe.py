@@ -8,7 +8,11 @@ is ``torch.cuda.memory_allocated()``, the bytes of live blocks in torch's cachin
 
 What neither sees: CPython's small objects (512 bytes or less) live in arenas that CPython
 maps itself, so Python bookkeeping such as a recorded graph's nodes is mostly invisible on
-CPU; run under ``PYTHONMALLOC=malloc`` to route it through glibc and count it too.
+CPU; run under ``PYTHONMALLOC=malloc`` to route it through glibc and count it too. And what
+it sees too much of: glibc parks up to seven freed chunks per size class of up to 1 KiB in a
+per-thread cache, and ``mallinfo2`` counts those as in use; run with
+``GLIBC_TUNABLES=glibc.malloc.tcache_count=0`` for an exact count (the benchmarks' memory
+children do both).
 """
 
 from __future__ import annotations
