@@ -36,7 +36,6 @@ def _stack() -> list:
     return stack
 
 
-_SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 _UNUSED = (None,)
 
 
@@ -151,7 +150,7 @@ class Region:
             # An input as it came in: kept as eager keeps it. If the region writes it later,
             # region exit plans its replay from the copy taken before the write.
             slot = Slot(self.graph, meta, t, exact=True)
-        elif g.node.decision in _SAVE if self.planning is None else self.planning.keeps(g):
+        elif is_save(g.node.decision) if self.planning is None else self.planning.keeps(g):
             # detached: the saved output's grad_fn holds this handle; no reference cycle
             slot = Slot(self.graph, meta, self.alias(g, t))
             if g.held is None:

@@ -147,14 +147,10 @@ def costs(graph: RegionGraph, bundles: list[list[int]], cost="flops", items=None
             if c is None:
                 c = memo[i] = node_cost(graph.nodes[i], cost, graph.times)
             total = c if total is None else tuple(x + y for x, y in zip(total, c))
-        if total is None:
-            total = tuple(0 for _ in node_cost_shape(cost))
+        if total is None:  # nothing to replay: zero in each component of node_cost
+            total = (0, 0) if cost == "flops" else (0,)
         out.append((*total, len(run)))
     return out
-
-
-def node_cost_shape(cost) -> tuple:
-    return (0, 0) if cost == "flops" else (0,)
 
 
 # --- the knapsack -------------------------------------------------------------------------

@@ -30,7 +30,6 @@ __all__ = ["Slot", "plan", "run_pass"]
 
 _Tensor = torch.Tensor
 _NOT_STARTED = ("",)
-_SEQUENCES = (list, tuple)
 
 
 def _double_backward_error():
@@ -157,23 +156,20 @@ def _kept_changed_error(graph: RegionGraph, g: Group, now: int, then: int) -> Ch
 
 
 class Plan:
-    __slots__ = ("starts", "nodes", "wanted", "_reads", "_last_use")
+    __slots__ = ("starts", "nodes", "wanted", "reads", "_last_use")
 
-    def __init__(self, starts, nodes, wanted):
+    def __init__(self, starts, nodes, wanted, reads):
         self.starts = starts  # group id -> (source kind, state it starts in)
         self.nodes = nodes  # node indices to run, in recorded order
         self.wanted = wanted  # the (group id, state) pairs it was made for
-        self._reads = None
+        self.reads = reads  # node index -> its tensor arguments (TensorMeta)
+        self._last_use = None
 
-    def reads(self, graph: RegionGraph) -> tuple[dict, dict]:
-        """Each planned node's tensor arguments, and the last planned node reading each group."""
-        if self._reads is None:
-            self._reads = {i: graph.nodes[i].tensor_args for i in self.nodes}
-            self._last_use = {}
-            for i in self.nodes:
-                for m in self._reads[i]:
-                    self._last_use[m.group] = i
-        return self._reads, self._last_use
+    def last_use(self) -> dict:
+        """The last planned node reading each group."""
+        if self._last_use is None:
+            self._last_use = {m.group: i for i in self.nodes for m in self.reads[i]}
+        return self._last_use
 
     def still_valid(self, graph: RegionGraph, wanted: frozenset) -> bool:
         """Whether this plan still answers ``wanted``: same requests, live sources unchanged."""
@@ -181,15 +177,6 @@ class Plan:
             kind not in ("held", "external") or _live(graph.groups[gid]) == kind
             for gid, (kind, _) in self.starts.items()
         )
-
-
-def _add_reads(work: list, values) -> None:
-    """Append the (group, state) of every TensorMeta in ``values`` (lists included)."""
-    for a in values:
-        if a.__class__ is TensorMeta:
-            work.append((a.group, a.state))
-        elif a.__class__ in _SEQUENCES:
-            work.extend([(m.group, m.state) for m in a if m.__class__ is TensorMeta])
 
 
 def plan(graph: RegionGraph, wanted) -> Plan:
@@ -200,6 +187,7 @@ def plan(graph: RegionGraph, wanted) -> Plan:
     chosen: set[int] = set()
     work = list(wanted)  # (group id, state) still to provide
     to_run: list = []  # nodes chosen whose inputs are still to be asked for
+    reads: dict[int, tuple] = {}  # chosen node -> its tensor arguments
     stale = None  # a kept storage the program modified since, if planning had to go around one
 
     while work or to_run:
@@ -212,9 +200,8 @@ def plan(graph: RegionGraph, wanted) -> Plan:
                     raise _kept_changed_error(graph, stale, stale.held._version, stale.version)
                 raise _Forgotten(node)
             chosen.add(node.index)
-            _add_reads(work, node.args)
-            if node.kwargs:
-                _add_reads(work, node.kwargs.values())
+            args = reads[node.index] = node.tensor_args
+            work.extend([(m.group, m.state) for m in args])
             if node.rng is not None and node.rng[1] is None:
                 to_run.append(nodes[node.rng[2]])  # its replay leaves the generator where this one starts
         if not work:
@@ -249,7 +236,7 @@ def plan(graph: RegionGraph, wanted) -> Plan:
                 to_run.append(g.creator)
         if highest > start[1]:
             to_run.extend(g.mutations[start[1]:highest])
-    return Plan(starts, sorted(chosen), frozenset(wanted))
+    return Plan(starts, sorted(chosen), frozenset(wanted), reads)
 
 
 # --- running -----------------------------------------------------------------------------
@@ -342,7 +329,7 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
             raise _changed_error(graph, changed[0]) from None
     graph.passes += 1
     graph.replayed_ops += len(p.nodes)
-    reads, last_use = p.reads(graph)
+    reads, last_use = p.reads, p.last_use()
     nodes, groups, starts = graph.nodes, graph.groups, p.starts
 
     captures: dict[int, list] = {}  # group -> handles waiting for a state of it

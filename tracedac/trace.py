@@ -18,7 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CheckpointError
 from .graph import Group, Node, RegionGraph, TensorMeta, flatten_outputs
-from .policies import RECOMPUTE_OPS, is_save
 
 __all__ = ["TracerMode", "current_module_path"]
 
@@ -221,9 +220,6 @@ class TracerMode(TorchDispatchMode):
         self.devices: dict = {}
         self.sources = region.report
         self.timing = getattr(region, "timing", False)  # cost="time" planners: each op's duration
-        # A constant policy with no planner decides every node alike: decided inline.
-        self.fixed = region.constant if getattr(region, "planning", None) is None else None
-        self.fixed_saves = self.fixed is not None and is_save(self.fixed)
 
     def close(self) -> None:
         """Release the pinned storage addresses (the region has ended)."""
@@ -273,12 +269,7 @@ class TracerMode(TorchDispatchMode):
         recent = self.recent.get(id(t))
         if recent is not None and recent[0] is t and recent[1].state == len(recent[2].mutations):
             return recent[1]
-        try:
-            g = self.storages.get(_address(t))
-        except (RuntimeError, NotImplementedError):
-            _check_replayable(t)
-            raise
-        return self._new_meta(t, g or self.external(t))
+        return self._new_meta(t, self.group_of(t) or self.external(t))
 
     def _new_meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
         # One meta per distinct tensor seen: the graph and the handles share it (the same
@@ -344,32 +335,13 @@ class TracerMode(TorchDispatchMode):
             # is made from the tensor the program passed (an input, a parameter), not from
             # a view of it; the view's geometry is read off it wherever it is used.
             for a in args:
-                if isinstance(a, _Tensor):
-                    try:
-                        if _address(a) not in storages:
-                            self.external(a)
-                    except (RuntimeError, NotImplementedError):
-                        _check_replayable(a)
-                        raise
+                if isinstance(a, _Tensor) and self.group_of(a) is None:
+                    self.external(a)
             return func._op(*args, **kwargs)
         # Arguments first: this registers outside storages before the outputs are looked at
         # (so a view of an input is not taken for a new storage), and records what a writing
-        # op read before it writes. Most arguments are the last op's results: cached metas
-        # (the cache test is _meta's, inlined: this loop runs for every argument of every op).
-        recent = self.recent
-        margs = []
-        for a in args:
-            if isinstance(a, _Tensor):
-                r = recent.get(id(a))
-                if r is not None and r[0] is a and r[1].state == len(r[2].mutations):
-                    margs.append(r[1])
-                else:
-                    margs.append(self._meta(a))
-            elif a.__class__ in _SEQUENCES:
-                margs.append(self._map(a))
-            else:
-                margs.append(a)
-        margs = tuple(margs)
+        # op read before it writes. Most arguments are the last op's results: cached metas.
+        margs = tuple([self._arg(a) for a in args])
         mkwargs = {k: self._arg(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
         written = self._writes(info, args, kwargs) if info.writes or info.rebinds else ()
         rng = self._random(args, kwargs) if info.seeded else None
@@ -414,7 +386,7 @@ class TracerMode(TorchDispatchMode):
             g.add_mutation(node)
         for _, g in created:
             g.creator = node
-        recent.clear()  # from here on: this op's results
+        self.recent = {}  # from here on: this op's results
         if len(flat) == 1 and created:
             node.outputs = (self._new_meta(out, created[0][1]),)  # its group is the one just made
         else:
@@ -424,12 +396,7 @@ class TracerMode(TorchDispatchMode):
             graph.times[node.index] = elapsed[1]
         if rng is not None:
             self.rng_last[rng[0]] = (node.index, rng[0].get_state())
-        fixed = self.fixed
-        if fixed is not None and id(func) not in RECOMPUTE_OPS:
-            node.decision = fixed  # what region.decide does for a constant policy and no planner
-            if not self.fixed_saves:
-                return out
-        elif not region.decide(node):
+        if not region.decide(node):
             return out
         # Held as the program's own tensors for now: a detach() down here, below autograd,
         # would not share their version counter (the region makes proper aliases later).

@@ -181,8 +181,6 @@ def memory(rank, world):
 
 def full_grads(m) -> torch.Tensor:
     """The gradient of every trainable parameter, all-gathered, in state_dict order, flat."""
-    import torch.distributed as dist
-
     grads = {}
     for f in m._tracedac_zero.flats:
         if f.shard.grad is None:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .model import Seeded, make_batch  # the same seeding and batch recipe as the MoE model
+
 __all__ = ["DecoderLayer", "Llama", "LlamaConfig", "make_batch"]
 
 
@@ -125,7 +127,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))  # [B, T, D]
 
 
-class Llama(nn.Module):
+class Llama(Seeded, nn.Module):
     """Token embedding, ``layers`` decoder layers, final RMSNorm, LM head; returns the loss."""
 
     def __init__(self, cfg: LlamaConfig):
@@ -138,13 +140,6 @@ class Llama(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         nn.init.normal_(self.embed.weight, std=0.02)
 
-    @classmethod
-    def seeded(cls, cfg: LlamaConfig) -> "Llama":
-        """The model with weights drawn from ``cfg.seed``, the same on every call."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            return cls(cfg)
-
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # [B, T], [B, T]
         if idx.shape[1] > self.cfg.seq:
             raise ValueError(
@@ -154,10 +149,3 @@ class Llama(nn.Module):
         x = self.layers(self.embed(idx))  # [B, T, D]
         logits = self.head(self.norm(x))  # [B, T, V]
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def make_batch(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids and their next-token targets, drawn from ``cfg.seed``."""
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)  # [B, T + 1]
-    return tokens[:, :-1], tokens[:, 1:]  # [B, T], [B, T]

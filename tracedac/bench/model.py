@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "Config", "GPT", "MoE", "Router", "make_batch"]
+__all__ = ["Block", "Config", "GPT", "MoE", "Router", "Seeded", "make_batch"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,17 @@ class Block(nn.Module):
         return x + self.drop(self.moe(self.ln2(x)))  # [B, T, D]
 
 
-class GPT(nn.Module):
+class Seeded:
+    """``Model.seeded(cfg)``: the model with weights drawn from ``cfg.seed``, the same on every call."""
+
+    @classmethod
+    def seeded(cls, cfg):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            return cls(cfg)
+
+
+class GPT(Seeded, nn.Module):
     """Token and position embeddings, ``layers`` blocks, final norm, LM head; returns the loss.
 
     ``checkpoint_fn``, when set, is called as ``checkpoint_fn(block, x)`` in place of
@@ -164,13 +174,6 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.checkpoint_fn = None
         nn.init.normal_(self.tok_emb.weight, std=0.02)
-
-    @classmethod
-    def seeded(cls, cfg: Config) -> "GPT":
-        """The model with weights drawn from ``cfg.seed``, the same on every call."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            return cls(cfg)
 
     def routers(self) -> list[Router]:
         return [m for m in self.modules() if isinstance(m, Router)]
