@@ -35,6 +35,56 @@ def test_backward_replays_only_the_ancestors_of_what_it_needs():
     assert graph.passes == 1 and graph.replayed_ops == 1
 
 
+LAYOUT_ONLY = {
+    "empty_like": lambda a: torch.empty_like(a).fill_(2.0),
+    "zeros_like": torch.zeros_like,
+    "ones_like": torch.ones_like,
+    "full_like": lambda a: torch.full_like(a, 3.0),
+    "rand_like": torch.rand_like,
+    "randn_like": torch.randn_like,
+    "randint_like": lambda a: torch.randint_like(a, 5),
+    "new_empty": lambda a: a.new_empty(a.shape).fill_(2.0),
+    "new_empty_strided": lambda a: a.new_empty_strided(a.shape, a.stride()).fill_(2.0),
+    "new_zeros": lambda a: a.new_zeros(a.shape),
+    "new_ones": lambda a: a.new_ones(a.shape),
+    "new_full": lambda a: a.new_full(a.shape, 3.0),
+}
+
+
+@pytest.mark.parametrize("make", LAYOUT_ONLY.values(), ids=LAYOUT_ONLY.keys())
+def test_an_op_that_reads_only_a_tensors_layout_does_not_replay_what_computed_it(make):
+    def f(x):
+        a = x.neg().t()  # autograd saves nothing of it; the op below reads its layout only
+        m = make(a)  # saved by mul (x.t() requires grad, m does not): replayed
+        return (x.t() * m).sum()
+
+    x = torch.randn(6, 4, requires_grad=True)
+    counts, graph = replayed(f, x)
+    assert counts[aten.neg] == 0
+    assert graph.passes == 1
+    assert_same_grads(f, (x,))
+    torch.manual_seed(0)
+    checkpoint(f)(x).backward()
+    after = torch.rand(3)  # replaying a random op left the generator where eager leaves it
+    torch.manual_seed(0)
+    f(x).backward()
+    assert torch.equal(after, torch.rand(3))
+
+
+def test_a_tensor_read_only_for_its_layout_may_change_between_forward_and_backward():
+    def f(x, b):
+        noise = torch.empty_like(b).bernoulli_(0.5)  # b's values are never read
+        return (x * noise).sum()
+
+    x, b = torch.randn(16, requires_grad=True), torch.randn(16)
+    torch.manual_seed(0)
+    expected = torch.autograd.grad(f(x, b), x)[0]
+    torch.manual_seed(0)
+    out = checkpoint(f)(x, b)
+    b.add_(1.0)
+    assert torch.equal(torch.autograd.grad(out, x)[0], expected)
+
+
 def test_one_replay_pass_serves_every_handle_of_a_backward():
     def f(x, w):
         h = x @ w

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Group", "Node", "RegionGraph", "TensorMeta", "flatten_outputs", "human_bytes", "op_flops"]
+__all__ = ["Group", "Layout", "Node", "RegionGraph", "TensorMeta", "flatten_outputs", "human_bytes", "op_flops"]
 
 
 class TensorMeta:
@@ -54,6 +54,24 @@ class TensorMeta:
         return f"TensorMeta(group={self.group}, state={self.state}, {self.dtype}, {list(self.size)})"
 
 
+class Layout:
+    """A tensor argument whose data the op never reads, only its layout: ``empty_like``'s,
+    ``zeros_like``'s, ``new_zeros``' ``self``. It ties the node to no storage, so replay does
+    not rebuild a tensor (a dropout mask's ``empty_like(x)`` does not replay ``x``): it passes
+    a fresh, uninitialized tensor laid out the same way."""
+
+    __slots__ = ("dtype", "size", "stride", "device")
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self.size, self.stride, self.device = t.dtype, t.size(), t.stride(), t.device
+
+    def tensor(self) -> torch.Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+    def __repr__(self) -> str:
+        return f"Layout({self.dtype}, {list(self.size)}, stride={list(self.stride)})"
+
+
 _NO_LABELS: frozenset = frozenset()  # shared: an empty frozenset is a new object each time
 
 
@@ -73,7 +91,9 @@ class Node:
     def __init__(self, index, op, args, kwargs, outputs, writes, creates, rng, module_path, source):
         self.index = index
         self.op = op
-        self.args = args  # tensors replaced by TensorMeta (lists of tensors by lists of them)
+        # tensors replaced by TensorMeta (lists of tensors by lists of them), or by a Layout
+        # where the op reads only that
+        self.args = args
         self.kwargs = kwargs
         self.outputs = outputs  # one TensorMeta (or None for a non-tensor) per flattened output
         self.writes = writes  # group ids whose storage this op writes

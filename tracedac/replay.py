@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .errors import CheckpointError
-from .graph import Group, RegionGraph, TensorMeta, flatten_outputs, human_bytes
+from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes
 
 __all__ = ["Slot", "plan", "run_pass"]
 
@@ -308,6 +308,8 @@ class _Env:
 def _arg(env: _Env, a):
     if isinstance(a, TensorMeta):
         return env.view(a)
+    if a.__class__ is Layout:
+        return a.tensor()
     if isinstance(a, (list, tuple)):
         return type(a)(env.view(x) if isinstance(x, TensorMeta) else x for x in a)
     return a

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CheckpointError
-from .graph import Group, Node, RegionGraph, TensorMeta, flatten_outputs
+from .graph import Group, Layout, Node, RegionGraph, TensorMeta, flatten_outputs
 
 __all__ = ["TracerMode", "current_module_path"]
 
@@ -28,17 +28,25 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
 class _OpInfo:
-    __slots__ = ("writes", "rebinds", "seeded", "view")
+    __slots__ = ("writes", "rebinds", "seeded", "view", "layout_only")
 
-    def __init__(self, writes, rebinds, seeded, view):
+    def __init__(self, writes, rebinds, seeded, view, layout_only=False):
         self.writes = writes  # ((position, name), ...) of arguments whose data the op writes
         self.rebinds = rebinds  # arguments whose geometry it rewrites in place
         self.seeded = seeded  # draws from a random generator
         # a pure view (transpose, select, split...): allocates and writes nothing, so there
         # is nothing to record; a third of a transformer's ops
         self.view = view
+        self.layout_only = layout_only  # reads only the layout of its first argument (_LAYOUT_ONLY)
 
 
+_aten = torch.ops.aten
+# Ops that read their first argument's dtype, shape, strides and device, never its values.
+_LAYOUT_ONLY = frozenset([
+    _aten.empty_like, _aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.rand_like,
+    _aten.randn_like, _aten.randint_like, _aten.new_empty, _aten.new_empty_strided,
+    _aten.new_zeros, _aten.new_ones, _aten.new_full,
+])
 _INFO: dict = {}
 _NO_KWARGS: dict = {}  # shared by every node without keyword arguments: never written
 _SEQUENCES = (list, tuple)
@@ -60,7 +68,7 @@ def op_info(func) -> _OpInfo:
     if torch.Tag.inplace_view in tags:
         info = _OpInfo((), written, seeded, False)
     else:
-        info = _OpInfo(written, (), seeded, view)
+        info = _OpInfo(written, (), seeded, view, getattr(func, "overloadpacket", None) in _LAYOUT_ONLY)
     _INFO[id(func)] = (func, info)  # by id: OpOverload.__hash__ is a Python method; func pins the id
     return info
 
@@ -341,7 +349,11 @@ class TracerMode(TorchDispatchMode):
         # Arguments first: this registers outside storages before the outputs are looked at
         # (so a view of an input is not taken for a new storage), and records what a writing
         # op read before it writes. Most arguments are the last op's results: cached metas.
-        margs = tuple([self._arg(a) for a in args])
+        if info.layout_only:  # the first argument's values are no input: it ties the node to no storage
+            _check_replayable(args[0])
+            margs = (Layout(args[0]), *[self._arg(a) for a in args[1:]])
+        else:
+            margs = tuple([self._arg(a) for a in args])
         mkwargs = {k: self._arg(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
         written = self._writes(info, args, kwargs) if info.writes or info.rebinds else ()
         rng = self._random(args, kwargs) if info.seeded else None
