@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tracedac.bench import checkpointing, probe
+from tracedac.bench.model import GPT, make_batch
 from tracedac.bench.__main__ import main
 
 TRACEDAC = ("tracedac_recompute_all", "tracedac_save_matmuls")
@@ -47,14 +48,41 @@ def test_every_variant_reports_time_memory_gradient_difference_and_tokens(quick)
             continue
         assert len(row["step_times_s"]) == quick["steps"]
         assert row["step_s"] > 0 and row["step_vs_none"] > 0
+        assert 0 < row["forward_s"] < max(row["step_times_s"])  # parts of the step
+        assert 0 < row["backward_s"] < max(row["step_times_s"])
         assert row["bytes_held"] > 0
         assert 0 <= row["python_bytes_held"]
         assert row["max_grad_diff"] >= 0
         assert row["tokens_counted"] > 0
     assert rows(quick)["none"]["step_vs_none"] == 1.0
     tracing = quick["tracing"]
-    assert tracing["plain_forward_s"] > 0 and tracing["traced_forward_s"] > 0
-    assert len(tracing["plain_times_s"]) == len(tracing["traced_times_s"]) == quick["steps"]
+    assert tracing["plain_forward_s"] > 0 and tracing["traced_forward_s"] > 0 and tracing["empty_mode_forward_s"] > 0
+    assert tracing["empty_mode_ratio"] == tracing["empty_mode_forward_s"] / tracing["plain_forward_s"]
+    assert len(tracing["plain_times_s"]) == len(tracing["traced_times_s"]) == len(tracing["empty_mode_times_s"]) == quick["steps"]
+
+
+def test_the_empty_mode_baseline_runs_every_op_of_the_blocks_through_a_mode_and_changes_nothing():
+    cfg = checkpointing.QUICK
+    model = GPT.seeded(cfg)
+    batch = make_batch(cfg)
+    torch.manual_seed(0)
+    plain = model(*batch)
+    seen = []
+    model.checkpoint_fn = checkpointing._under_empty_mode
+    original = checkpointing._EmptyMode.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return original(self, func, types, args, kwargs)
+
+    checkpointing._EmptyMode.__torch_dispatch__ = counting
+    try:
+        torch.manual_seed(0)
+        under_mode = model(*batch)
+    finally:
+        checkpointing._EmptyMode.__torch_dispatch__ = original
+    assert torch.equal(plain, under_mode)
+    assert torch.ops.aten.mm.default in seen and torch.ops.aten.native_layer_norm.default in seen
 
 
 def test_tracedac_gradients_equal_the_run_without_checkpointing(quick):

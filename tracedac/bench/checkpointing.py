@@ -7,7 +7,8 @@ everywhere and gradients are comparable element by element. Figures per variant:
 - **step time**: median wall time (``time.perf_counter``) of forward + backward over the
   timed steps, after one untimed step per variant. Variants take turns within each
   repetition, the first turn rotating, so drift of the machine (clock, other load) hits
-  all of them alike instead of whichever ran last.
+  all of them alike instead of whichever ran last. The medians of the forward and of the
+  backward alone are shown beside it: where a variant's extra time goes.
 - **bytes held after forward**: ``probe.allocated_bytes()`` after the forward minus before
   it, with the loss (and so the autograd graph and everything it saved) alive, and
   ``gc.collect()`` run before each reading. Parameter gradients are cleared first, and the
@@ -27,7 +28,8 @@ everywhere and gradients are comparable element by element. Figures per variant:
 
 A separate section times the forward alone, plain vs. recorded by tracedac
 (``recompute_all``), on the same model at ``dim=512``: what tracing costs when no
-backward follows.
+backward follows. Beside them, the same blocks each run under an empty
+``TorchDispatchMode``: what any recorder written in Python pays before it records anything.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dataclasses import asdict, replace
 from typing import Callable, TextIO
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tracedac
 
@@ -210,8 +213,9 @@ def _checks_in_child(cfg: Config, device: torch.device, say) -> dict[str, dict]:
     return run_child(_CHILD, spec, say, "checks gradients and measures memory", "python -m tracedac.bench --quick")
 
 
-def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> dict[str, list[float]]:
-    """Forward + backward wall times per variant, taking turns (see module doc)."""
+def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> tuple[dict, dict]:
+    """Forward + backward wall times per variant, taking turns (see module doc), and each
+    step's (forward, backward) seconds."""
     base = GPT.seeded(cfg).to(device)
     batch = tuple(t.to(device) for t in make_batch(cfg))
     models = {v.key: v.build(base) for v in VARIANTS if v.unavailable() is None}
@@ -220,17 +224,24 @@ def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> dict[s
         _step(model, batch, cfg.seed)
         _clear_grads(model)
 
-    def timed_step(key, rep):
-        seconds = _timed(device, _step, models[key], batch, cfg.seed + rep)[0]
-        _clear_grads(models[key])
-        return seconds
+    split: dict[str, list[tuple[float, float]]] = {k: [] for k in models}
 
-    return time_in_turns(models, steps, timed_step, say)
+    def timed_step(key, rep):
+        model = models[key]
+        torch.manual_seed(cfg.seed + rep)
+        forward, loss = _timed(device, model, *batch)
+        backward = _timed(device, loss.backward)[0]
+        del loss
+        _clear_grads(model)
+        split[key].append((forward, backward))
+        return forward + backward
+
+    return time_in_turns(models, steps, timed_step, say), split
 
 
 def _compare(cfg: Config, steps: int, device: torch.device, say) -> list[dict]:
     checked = _checks_in_child(cfg, device, say)
-    times = _time_variants(cfg, steps, device, say)
+    times, split = _time_variants(cfg, steps, device, say)
     plain = statistics.median(times["none"])
     rows = []
     for variant in VARIANTS:
@@ -240,6 +251,8 @@ def _compare(cfg: Config, steps: int, device: torch.device, say) -> list[dict]:
             row["step_times_s"] = times[variant.key]
             row["step_s"] = statistics.median(times[variant.key])
             row["step_vs_none"] = row["step_s"] / plain
+            row["forward_s"] = statistics.median(f for f, _ in split[variant.key])
+            row["backward_s"] = statistics.median(b for _, b in split[variant.key])
         rows.append(row)
     return rows
 
@@ -248,7 +261,9 @@ def _tracing(cfg: Config, steps: int, device: torch.device, say) -> dict:
     """Median forward time, plain and recorded by tracedac, with gradients enabled in both."""
     say(f"tracing overhead: forward only at dim={cfg.dim}")
     plain = GPT.seeded(cfg).to(device)
-    models = {"plain": plain, "traced": tracedac.wrap(copy.deepcopy(plain), Block)}
+    empty = copy.deepcopy(plain)
+    empty.checkpoint_fn = _under_empty_mode
+    models = {"plain": plain, "empty_mode": empty, "traced": tracedac.wrap(copy.deepcopy(plain), Block)}
     batch = tuple(t.to(device) for t in make_batch(cfg))
 
     def forward(model, seed):
@@ -257,18 +272,35 @@ def _tracing(cfg: Config, steps: int, device: torch.device, say) -> dict:
 
     for model in models.values():
         forward(model, cfg.seed)
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for rep in range(steps):
-        for key in (("plain", "traced") if rep % 2 == 0 else ("traced", "plain")):
-            gc.collect()
-            # the loss outlives the timer: freeing its graph is not part of a forward
-            seconds, loss = _timed(device, forward, models[key], cfg.seed + rep)
-            times[key].append(seconds)
-            del loss
+    def timed_forward(key, rep):
+        # the loss outlives the timer: freeing its graph is not part of a forward
+        seconds, loss = _timed(device, forward, models[key], cfg.seed + rep)
+        del loss
+        return seconds
+
+    times = time_in_turns(models, steps, timed_forward, say, what="tracing overhead")
     plain_s = statistics.median(times["plain"])
+    empty_s = statistics.median(times["empty_mode"])
     traced_s = statistics.median(times["traced"])
-    return {"dim": cfg.dim, "plain_forward_s": plain_s, "traced_forward_s": traced_s,
-            "plain_times_s": times["plain"], "traced_times_s": times["traced"], "ratio": traced_s / plain_s}
+    return {"dim": cfg.dim, "plain_forward_s": plain_s, "empty_mode_forward_s": empty_s, "traced_forward_s": traced_s,
+            "plain_times_s": times["plain"], "empty_mode_times_s": times["empty_mode"],
+            "traced_times_s": times["traced"], "empty_mode_ratio": empty_s / plain_s, "ratio": traced_s / plain_s}
+
+
+class _EmptyMode(TorchDispatchMode):
+    """Runs each op and nothing else: the floor of any dispatch-level recorder in Python."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as tracedac's mode: no dynamo-disable frame around each call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func._op(*args, **(kwargs or {}))
+
+
+def _under_empty_mode(block: Block, x: torch.Tensor) -> torch.Tensor:
+    with _EmptyMode():
+        return block(x)
 
 
 def _target(name: str, value: float | None, limit: float, unit: str = "x") -> dict:
@@ -372,7 +404,7 @@ def _mib(n: int) -> str:
 
 def _row_cells(row: dict) -> list[str]:
     if row["status"] != "ok":
-        return [row["label"], row["status"], "", "", "", "", ""]
+        return [row["label"], row["status"], "", "", "", "", "", "", ""]
     tokens = f"{row['tokens_counted']}"
     if row["tokens_counted"] != row["true_tokens"]:
         tokens += f" ({row['tokens_counted'] / row['true_tokens']:.0f}x)"
@@ -380,6 +412,8 @@ def _row_cells(row: dict) -> list[str]:
         row["label"],
         f"{row['step_s'] * 1e3:.0f} ms",
         f"{row['step_vs_none']:.2f}x",
+        f"{row['forward_s'] * 1e3:.0f} ms",
+        f"{row['backward_s'] * 1e3:.0f} ms",
         _mib(row["bytes_held"]),
         _mib(row["python_bytes_held"]),
         f"{row['max_grad_diff']:.1e}",
@@ -391,7 +425,7 @@ def format_report(result: dict) -> str:
     """The figures of ``run`` as a table, the tracing section, and the targets with marks."""
     cfg = result["config"]
     true_tokens = result["variants"][0]["true_tokens"]
-    header = ["variant", "step (median)", "vs none", "held after fwd", "of it Python", "max |grad diff|",
+    header = ["variant", "step (median)", "vs none", "forward", "backward", "held after fwd", "of it Python", "max |grad diff|",
               f"MoE tokens (true {true_tokens})"]
     cells = [header] + [_row_cells(r) for r in result["variants"]]
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
@@ -415,7 +449,9 @@ def format_report(result: dict) -> str:
     t = result["tracing"]
     out.append(
         f"forward only at dim {t['dim']}: plain {t['plain_forward_s'] * 1e3:.0f} ms, "
-        f"traced by tracedac {t['traced_forward_s'] * 1e3:.0f} ms ({t['ratio']:.2f}x)"
+        f"traced by tracedac {t['traced_forward_s'] * 1e3:.0f} ms ({t['ratio']:.2f}x); "
+        f"the blocks under an empty TorchDispatchMode {t['empty_mode_forward_s'] * 1e3:.0f} ms "
+        f"({t['empty_mode_ratio']:.2f}x, what any recorder in Python pays before recording)"
     )
     out += ["", "targets:"]
     out += target_lines(result)
