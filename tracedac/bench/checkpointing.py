@@ -272,6 +272,7 @@ def _tracing(cfg: Config, steps: int, device: torch.device, say) -> dict:
 
     for model in models.values():
         forward(model, cfg.seed)
+
     def timed_forward(key, rep):
         # the loss outlives the timer: freeing its graph is not part of a forward
         seconds, loss = _timed(device, forward, models[key], cfg.seed + rep)
