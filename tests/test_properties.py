@@ -40,6 +40,8 @@ TABLE = [
     ("gather", 1, lambda a, e: a.gather(1, a.detach().argsort(1))),
     ("dropout", 1, lambda a, e: F.dropout(a, 0.3, training=True)),
     ("noise", 1, lambda a, e: a * torch.rand_like(a) + torch.randn(SHAPE) * 0.1),
+    # ops that read only a layout (here a transposed one): their argument is not replayed
+    ("like", 1, lambda a, e: a * (torch.full_like(a.t(), 0.5).t() + torch.empty_like(a).fill_(1.0) + a.new_zeros(SHAPE))),
     ("mul_", 2, lambda a, b, e: _fresh(a).mul_(b)),
     ("add_view_", 2, lambda a, b, e: _inplace_view(a, b)),
     ("relu_", 1, lambda a, e: _fresh(a).relu_()),
