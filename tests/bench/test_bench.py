@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tracedac.bench import checkpointing, probe
-from tracedac.bench.model import GPT, make_batch
 from tracedac.bench.__main__ import main
+from tracedac.bench.model import GPT, make_batch
 
 TRACEDAC = ("tracedac_recompute_all", "tracedac_save_matmuls")
 

@@ -213,9 +213,8 @@ def _checks_in_child(cfg: Config, device: torch.device, say) -> dict[str, dict]:
     return run_child(_CHILD, spec, say, "checks gradients and measures memory", "python -m tracedac.bench --quick")
 
 
-def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> tuple[dict, dict]:
-    """Forward + backward wall times per variant, taking turns (see module doc), and each
-    step's (forward, backward) seconds."""
+def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> dict[str, list[tuple[float, float]]]:
+    """(forward, backward) wall times of each step per variant, taking turns (see module doc)."""
     base = GPT.seeded(cfg).to(device)
     batch = tuple(t.to(device) for t in make_batch(cfg))
     models = {v.key: v.build(base) for v in VARIANTS if v.unavailable() is None}
@@ -224,8 +223,6 @@ def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> tuple[
         _step(model, batch, cfg.seed)
         _clear_grads(model)
 
-    split: dict[str, list[tuple[float, float]]] = {k: [] for k in models}
-
     def timed_step(key, rep):
         model = models[key]
         torch.manual_seed(cfg.seed + rep)
@@ -233,23 +230,22 @@ def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> tuple[
         backward = _timed(device, loss.backward)[0]
         del loss
         _clear_grads(model)
-        split[key].append((forward, backward))
-        return forward + backward
+        return forward, backward
 
-    return time_in_turns(models, steps, timed_step, say), split
+    return time_in_turns(models, steps, timed_step, say)
 
 
 def _compare(cfg: Config, steps: int, device: torch.device, say) -> list[dict]:
     checked = _checks_in_child(cfg, device, say)
-    times, split = _time_variants(cfg, steps, device, say)
-    plain = statistics.median(times["none"])
+    split = _time_variants(cfg, steps, device, say)
+    plain = statistics.median(f + b for f, b in split["none"])
     rows = []
     for variant in VARIANTS:
         row = {"key": variant.key, "label": variant.label, "tracedac": variant.tracedac,
                "true_tokens": cfg.tokens * cfg.top_k * cfg.layers, **checked[variant.key]}
-        if variant.key in times:
-            row["step_times_s"] = times[variant.key]
-            row["step_s"] = statistics.median(times[variant.key])
+        if variant.key in split:
+            row["step_times_s"] = [f + b for f, b in split[variant.key]]
+            row["step_s"] = statistics.median(row["step_times_s"])
             row["step_vs_none"] = row["step_s"] / plain
             row["forward_s"] = statistics.median(f for f, _ in split[variant.key])
             row["backward_s"] = statistics.median(b for _, b in split[variant.key])
@@ -258,7 +254,8 @@ def _compare(cfg: Config, steps: int, device: torch.device, say) -> list[dict]:
 
 
 def _tracing(cfg: Config, steps: int, device: torch.device, say) -> dict:
-    """Median forward time, plain and recorded by tracedac, with gradients enabled in both."""
+    """Median forward time, plain, with each block under an empty dispatch mode, and recorded
+    by tracedac, with gradients enabled in all three."""
     say(f"tracing overhead: forward only at dim={cfg.dim}")
     plain = GPT.seeded(cfg).to(device)
     empty = copy.deepcopy(plain)

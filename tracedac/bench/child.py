@@ -41,11 +41,11 @@ def run_child(source: str, spec: dict, say, what: str, retry: str) -> dict:
     return json.loads(out)
 
 
-def time_in_turns(keys, steps: int, timed_step, say, what: str = "timing") -> dict[str, list[float]]:
-    """Seconds of ``steps`` steps of each key, taking turns: each round starts one key later,
+def time_in_turns(keys, steps: int, timed_step, say, what: str = "timing") -> dict[str, list]:
+    """Timings of ``steps`` steps of each key, taking turns: each round starts one key later,
     so a drift of the machine (a neighbour's load, frequency) falls on every key alike.
-    ``timed_step(key, rep)`` runs one step and returns its seconds."""
-    times: dict[str, list[float]] = {k: [] for k in keys}
+    ``timed_step(key, rep)`` runs one step and returns its seconds (or a tuple of them)."""
+    times: dict[str, list] = {k: [] for k in keys}
     order = list(keys)
     for rep in range(steps):
         for key in order[rep % len(order):] + order[:rep % len(order)]:
