@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import os
@@ -11,9 +12,11 @@ import sys
 import pytest
 import torch
 
-from tracedac.bench import checkpointing, probe
+import tracedac
+from tracedac.bench import checkpointing, floors, probe
 from tracedac.bench.__main__ import main
 from tracedac.bench.model import GPT, make_batch
+from tracedac.checkpoint import reporting
 
 TRACEDAC = ("tracedac_recompute_all", "tracedac_save_matmuls")
 
@@ -56,9 +59,12 @@ def test_every_variant_reports_time_memory_gradient_difference_and_tokens(quick)
         assert row["tokens_counted"] > 0
     assert rows(quick)["none"]["step_vs_none"] == 1.0
     tracing = quick["tracing"]
-    assert tracing["plain_forward_s"] > 0 and tracing["traced_forward_s"] > 0 and tracing["empty_mode_forward_s"] > 0
-    assert tracing["empty_mode_ratio"] == tracing["empty_mode_forward_s"] / tracing["plain_forward_s"]
-    assert len(tracing["plain_times_s"]) == len(tracing["traced_times_s"]) == len(tracing["empty_mode_times_s"]) == quick["steps"]
+    for key in ("plain", "empty_mode", "least_recorder", "traced"):
+        assert tracing[f"{key}_forward_s"] > 0
+        assert len(tracing[f"{key}_times_s"]) == tracing["forwards"] == 2 * quick["steps"]
+    for key in ("empty_mode", "least_recorder"):
+        assert tracing[f"{key}_ratio"] == tracing[f"{key}_forward_s"] / tracing["plain_forward_s"]
+    assert tracing["ratio"] == tracing["traced_forward_s"] / tracing["plain_forward_s"]
 
 
 def test_the_empty_mode_baseline_runs_the_blocks_ops_through_a_mode_and_changes_nothing(monkeypatch):
@@ -68,17 +74,43 @@ def test_the_empty_mode_baseline_runs_the_blocks_ops_through_a_mode_and_changes_
     torch.manual_seed(0)
     plain = model(*batch)
     seen = []
-    run_op = checkpointing._EmptyMode.__torch_dispatch__
+    run_op = floors.EmptyMode.__torch_dispatch__
 
     def counting(self, func, types, args=(), kwargs=None):
         seen.append(func)
         return run_op(self, func, types, args, kwargs)
 
-    monkeypatch.setattr(checkpointing._EmptyMode, "__torch_dispatch__", counting)
-    model.checkpoint_fn = checkpointing._under_empty_mode
+    monkeypatch.setattr(floors.EmptyMode, "__torch_dispatch__", counting)
+    model.checkpoint_fn = floors.under_empty_mode
     torch.manual_seed(0)
     assert torch.equal(model(*batch), plain)
     assert torch.ops.aten.mm.default in seen and torch.ops.aten.native_layer_norm.default in seen
+
+
+def test_the_least_recorder_records_what_tracedac_records_of_a_block_and_changes_nothing(monkeypatch):
+    """The floor must do the floor's work: every op tracedac records and every tensor
+    autograd saves, each as a record that holds no tensor; and it must let go at the end."""
+    cfg = checkpointing.QUICK
+    block = GPT.seeded(cfg).blocks[0]
+    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, requires_grad=True)
+    torch.manual_seed(0)
+    plain = block(x)
+    with reporting() as regions:  # report mode: the region's graph keeps every node
+        torch.manual_seed(0)
+        assert torch.equal(tracedac.checkpoint(copy.deepcopy(block))(x), plain)
+    recorders = []
+    monkeypatch.setattr(floors.LeastRecorder, "close", lambda recorder: recorders.append(recorder))
+    torch.manual_seed(0)
+    assert torch.equal(floors.under_least_recorder(block, x), plain)
+    (recorder,), (region,) = recorders, regions
+    recorded = collections.Counter(op for op, *_ in recorder.ops)
+    assert recorded == collections.Counter(node.op for node in region.graph.nodes)
+    assert len(recorder.saved) == len(region.handles) > 0
+    records = [r for _, args, kwargs, outs in recorder.ops for r in [*args, *kwargs.values(), *outs]]
+    assert not any(isinstance(r, torch.Tensor) for r in records + recorder.saved)
+    monkeypatch.undo()
+    recorder.close()
+    assert recorder.pins == [] and recorder.storages == {}
 
 
 def test_tracedac_gradients_equal_the_run_without_checkpointing(quick):
