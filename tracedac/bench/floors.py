@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..trace import _address  # a storage's address without making a Python storage object
+
 __all__ = ["EmptyMode", "LeastRecorder", "under_empty_mode", "under_least_recorder"]
 
 _Tensor = torch.Tensor
-_address = torch._C._storage_address
 _SEQUENCES = (list, tuple)
 
 
