@@ -361,9 +361,7 @@ def run(cfg: Config = Config(), *, steps: int = 8, device: str = "cpu", quick: b
             "machine, or with OMP_WAIT_POLICY=passive in the environment.")
     steady = dev.type == "cpu" and not system_malloc and probe.keep_freed_memory()
     rows = _compare(cfg, steps, dev, say)
-    # A forward is about a third of a step, and the differences judged here are a few
-    # percent: twice as many turns as the table's keep the section short and less noisy.
-    tracing = _tracing(trace_cfg, 2 * steps, dev, say)
+    tracing = _tracing(trace_cfg, steps, dev, say)
     wall = time.perf_counter() - start
     say(f"finished in {wall:.1f}s")
     return {
