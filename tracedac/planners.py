@@ -218,12 +218,6 @@ def knapsack(weights: list[int], values: list[tuple], capacity: int) -> tuple[li
 # --- the minimum cut ----------------------------------------------------------------------
 
 
-def _banned_ops() -> frozenset:
-    from .policies import MATMUL_OPS
-
-    return frozenset(MATMUL_OPS)
-
-
 def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=None, keepable=None):
     """The storages to keep (group ids), the cut's value in bytes, and the flow network.
 
@@ -241,10 +235,12 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
     """
     import networkx as nx
 
+    from .policies import MATMUL_OPS  # (policies imports this module)
+
     decisions = decisions or {}
     groups, nodes = graph.groups, graph.nodes
-    banned = () if replay_matmuls else _banned_ops()
-    big = 1 + sum(g.nbytes for g in groups if g is not None)
+    banned = {} if replay_matmuls else MATMUL_OPS
+    big = 1 + sum(g.nbytes for g in groups)
     G = nx.DiGraph()
     src, sink = "source", "sink"
     G.add_nodes_from((src, sink))  # a region with nothing to keep still has both
@@ -280,7 +276,7 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
                 G.add_edge(("out", gid, s), sink)
             elif d is MUST_RECOMPUTE:
                 G[a][("out", gid, s)].pop("capacity", None)  # cannot be kept
-            elif packet in banned or node.op in banned:
+            elif packet in banned:
                 G.add_edge(src, a, capacity=big)
     for gid, s in wanted:
         G.add_edge(("out", gid, s), sink)
@@ -327,8 +323,7 @@ def full_bytes(graph: RegionGraph, wanted) -> int:
 
 
 def must_decisions(graph: RegionGraph) -> dict:
-    return {n.index: n.decision for n in graph.nodes
-            if n is not None and n.decision in (MUST_SAVE, MUST_RECOMPUTE)}
+    return {n.index: n.decision for n in graph.nodes if n.decision in (MUST_SAVE, MUST_RECOMPUTE)}
 
 
 # --- planner objects ----------------------------------------------------------------------
@@ -344,12 +339,11 @@ class Planner:
     def __call__(self, node) -> CheckpointPolicy:
         return PREFER_RECOMPUTE
 
-    def choose(self, graph, items, wanted, forced_in, forced_out, full, decisions, live) -> set[int]:
+    def choose(self, graph, items, wanted, forced_in, forced_out, full, live) -> set[int]:
         """The group ids to keep: ``items`` are the storages autograd saved in their final
         state, ``wanted`` every (group, state) backward needs, ``forced_in``/``forced_out``
         what MUST decisions (or a result already let go) settle, ``full`` the bytes kept
-        without checkpointing, ``decisions`` the MUST decisions by node, ``live`` the
-        storages that can still be kept."""
+        without checkpointing, ``live`` the storages that can still be kept."""
         raise NotImplementedError
 
 
@@ -366,7 +360,7 @@ class MemoryBudget(Planner):
             return int(self.budget * full)  # rounded down: never above the fraction
         return self.budget
 
-    def choose(self, graph, items, wanted, forced_in, forced_out, full, decisions, live) -> set[int]:
+    def choose(self, graph, items, wanted, forced_in, forced_out, full, live) -> set[int]:
         return self.prepare(graph, items, forced_in, forced_out)(self.bytes_for(full), self)
 
     def prepare(self, graph, items, forced_in, forced_out):
@@ -405,9 +399,9 @@ class MinCut(Planner):
     replay_matmuls: bool = False
     holds_unsaved = True
 
-    def choose(self, graph, items, wanted, forced_in, forced_out, full, decisions, live) -> set[int]:
-        keep, _, _ = min_cut_keep(graph, wanted, replay_matmuls=self.replay_matmuls, decisions=decisions,
-                                  keepable=live)
+    def choose(self, graph, items, wanted, forced_in, forced_out, full, live) -> set[int]:
+        keep, _, _ = min_cut_keep(graph, wanted, replay_matmuls=self.replay_matmuls,
+                                  decisions=must_decisions(graph), keepable=live)
         return set(keep)
 
     def __repr__(self) -> str:
@@ -451,9 +445,6 @@ class PlanCache:
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
 
-    def clear(self) -> None:
-        self.entries.clear()
-
 
 plans = PlanCache()
 
@@ -488,8 +479,8 @@ class Planning:
 
     def decide(self, node: Node, d: CheckpointPolicy) -> bool:
         """Decide ``node`` (whose policy said ``d``); whether to hold its result now."""
-        sig = signature(node)
-        self.signatures[node.index] = sig
+        if self.key is not None:  # only a cacheable plan is checked and stored by structure
+            sig = self.signatures[node.index] = signature(node)
         if d is MUST_SAVE or d is MUST_RECOMPUTE:
             node.decision = d
             return d is MUST_SAVE
@@ -528,12 +519,11 @@ class Planning:
         items = items_of(graph, wanted)
         full = full_bytes(graph, wanted)
         live = {s.meta.group for s in kept_slots} | {g.id for g in groups if g.held is not None}
-        decisions = must_decisions(graph)
         forced_in = [g for g in items if groups[g].node.decision is MUST_SAVE]
         forced_in += [g.id for g in groups if g.held is not None and g.node is not None
                       and g.node.decision is MUST_SAVE and g.id not in items]
         forced_out = {g for g in items if g not in live or groups[g].node.decision is MUST_RECOMPUTE}
-        keep = self.planner.choose(graph, items, wanted, forced_in, forced_out, full, decisions, live)
+        keep = self.planner.choose(graph, items, wanted, forced_in, forced_out, full, live)
         keep = {g for g in keep if g in live}
         # Apply: the chosen storages stay; everything else held for the plan is let go.
         for node in graph.nodes:

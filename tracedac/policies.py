@@ -21,7 +21,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .errors import CheckpointError
-from .planners import MemoryBudget, MinCut, Planner
+from .planners import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, MemoryBudget, MinCut, Planner
 
 __all__ = [
     "CheckpointPolicy",
@@ -39,11 +39,6 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
-
-MUST_SAVE = CheckpointPolicy.MUST_SAVE
-PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
-MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
-PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 
 # The ops `save_matmuls()` keeps, each with why it is worth its bytes.
 MATMUL_OPS: dict[OpOverloadPacket, str] = {

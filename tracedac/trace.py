@@ -227,7 +227,7 @@ class TracerMode(TorchDispatchMode):
         self.rng_last: dict = {}  # generator -> (index of its last random node, its state after)
         self.devices: dict = {}
         self.sources = region.report
-        self.timing = getattr(region, "timing", False)  # cost="time" planners: each op's duration
+        self.timing = region.timing  # cost="time" planners: each op's duration
 
     def close(self) -> None:
         """Release the pinned storage addresses (the region has ended)."""

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from .graph import human_bytes
 from .inspect import record
 from .planners import (
-    MUST_RECOMPUTE, MUST_SAVE, MemoryBudget, closure, full_bytes, items_of, planner_of,
-    region_values,
+    MUST_RECOMPUTE, MUST_SAVE, MemoryBudget, Planner, closure, full_bytes, items_of, region_values,
 )
-from .policies import Either, decision, either, is_save, memory_budget, recompute_all, save_all, save_matmuls
+from .policies import decision, either, is_save, memory_budget, recompute_all, save_all, save_matmuls
 
 __all__ = ["TradeOff", "TradeOffRow", "trade_off"]
 
@@ -76,6 +75,7 @@ class _Region:
         self.graph = graph = region.graph
         self.wanted = region_values(graph, region.handles)
         self.items = items_of(graph, self.wanted)
+        self.item_set = set(self.items)
         self.full = full_bytes(graph, self.wanted)
         groups = graph.groups
         self.forced_in = [g for g in self.items if groups[g].node.decision is MUST_SAVE]
@@ -87,7 +87,7 @@ class _Region:
         graph = self.graph
         run = closure(graph, self.wanted, kept)
         read = {m.group for i in run for m in graph.nodes[i].tensor_args}
-        used = {g for g in kept if g in self.items or g in read}  # a kept result nothing reads is let go
+        used = {g for g in kept if g in self.item_set or g in read}  # a kept result nothing reads is let go
         return (sum(graph.groups[g].nbytes for g in used), sum(graph.nodes[i].flops for i in run), len(run))
 
     def plan(self, planner: MemoryBudget) -> set:
@@ -100,19 +100,14 @@ class _Region:
     def kept_by(self, policy) -> set:
         """What a per-op policy keeps: the storages whose last writer it decides to save."""
         return {g.id for g in self.graph.groups
-                if g.creator is not None and g.node is not None and is_save(decision(policy, g.node))}
+                if g.creator is not None and is_save(decision(policy, g.node))}
 
 
 def _recording_policy(fn):
     """Record under the region's own per-op decisions, with nothing left to the planner to drop."""
-    spec = getattr(fn, "_tracedac", None)
-    policy = getattr(spec, "policy", None)
-    if isinstance(policy, Either) and planner_of(policy) is not None:
-        rest = [p for p in policy.policies if p is not planner_of(policy)]
-        return either(*rest, memory_budget(1.0))
-    if policy is not None and planner_of(policy) is None:
-        return either(policy, memory_budget(1.0))
-    return memory_budget(1.0)
+    policy = getattr(getattr(fn, "_tracedac", None), "policy", None)
+    rest = [p for p in getattr(policy, "policies", (policy,)) if p is not None and not isinstance(p, Planner)]
+    return either(*rest, memory_budget(1.0)) if rest else memory_budget(1.0)
 
 
 def trade_off(fn, *args, budgets=None, **kwargs) -> TradeOff:
@@ -130,17 +125,18 @@ def trade_off(fn, *args, budgets=None, **kwargs) -> TradeOff:
     frontier = budgets is None
     if frontier:
         budgets = [i / 100 for i in range(101)]
+    def row(budget, kept_by, policy) -> TradeOffRow:
+        totals = [p.evaluate(kept_by(p)) for p in problems]  # summed over the regions
+        return TradeOffRow(budget, *(sum(t[k] for t in totals) for k in range(3)), repr(policy))
+
     rows = []
     for b in budgets:
         planner = memory_budget(b)  # validates the budget
-        totals = [p.evaluate(p.plan(planner)) for p in problems]
-        rows.append(TradeOffRow(b, *(sum(t[k] for t in totals) for k in range(3)), repr(planner)))
+        rows.append(row(b, lambda p: p.plan(planner), planner))
     if frontier:
         rows = _pareto(rows)
-    references = []
-    for policy in (recompute_all(), save_matmuls(), save_all()):
-        totals = [p.evaluate(p.kept_by(policy)) for p in problems]
-        references.append(TradeOffRow(None, *(sum(t[k] for t in totals) for k in range(3)), repr(policy)))
+    references = [row(None, lambda p: p.kept_by(policy), policy)
+                  for policy in (recompute_all(), save_matmuls(), save_all())]
     return TradeOff(rows, references, sum(p.full for p in problems))
 
 

@@ -60,12 +60,17 @@ def model(seed=0, **kw):
     return Model(**kw)
 
 
+def rank_batch(step, rank, world):
+    """This rank's slice of step ``step``'s batch: ``BATCH // world`` rows."""
+    x, y = data(step)
+    per = BATCH // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
 def train(m, rank, world, steps=3, clip=None, opt_cls=torch.optim.Adam):
     opt = opt_cls(m.parameters(), lr=1e-2)
-    per = BATCH // world
     for step in range(steps):
-        x, y = data(step)
-        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        x, y = rank_batch(step, rank, world)
         loss = F.mse_loss(m(x), y)
         loss.backward()
         if clip is not None:
@@ -192,20 +197,25 @@ def full_grads(m) -> torch.Tensor:
     return torch.cat([grads[k] for k in sorted(grads)])
 
 
+def flat_grads(m) -> torch.Tensor:
+    """An unsharded model's gradients in the order of ``full_grads`` (by name), flat."""
+    return torch.cat([p.grad.flatten() for _, p in sorted(m.named_parameters()) if p.grad is not None])
+
+
 def mixed(rank, world):
     """bf16 gradients are within 2% of fp32 ones (relative norm); all-gathers move <= 0.55x the bytes."""
     ref = model()
     x, y = data(0)
     F.mse_loss(ref(x), y).backward()
-    ref_grads = torch.cat([p.grad.flatten() for n, p in sorted(ref.named_parameters()) if p.grad is not None])
-    per = BATCH // world
+    ref_grads = flat_grads(ref)
+    x, y = rank_batch(0, rank, world)
     res = {}
     for name, mp in (("fp32", None), ("bf16", zero.MixedPrecision()),
                      ("bf16-reduce", zero.MixedPrecision(reduce_dtype=torch.bfloat16))):
         m = zero.shard(model(), mixed_precision=mp)
         log = GatherLog()
         try:
-            F.mse_loss(m(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+            F.mse_loss(m(x), y).backward()
         finally:
             log.close()
         error = ((full_grads(m) - ref_grads).norm() / ref_grads.norm()).item()

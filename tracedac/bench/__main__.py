@@ -78,8 +78,6 @@ def _write_json(path: str, figures: dict) -> None:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.steps is None and not (args.zero or args.planners):
-        args.steps = 8
     if args.kernels:
         try:
             from . import kernels  # imported here: it may need packages the comparison does not
@@ -94,12 +92,13 @@ def main(argv=None) -> int:
         from . import planners, probe
         from .llama import LlamaConfig
 
-        steps = 3 if args.steps is None else args.steps
+        if args.steps is None:
+            args.steps = planners.STEPS
         try:
-            planners.check_settings(planners.QUICK if args.quick else LlamaConfig(), steps, args.device)
+            planners.check_settings(planners.QUICK if args.quick else LlamaConfig(), args.steps, args.device)
         except (ValueError, probe.ProbeUnavailable) as e:
             parser.error(str(e))
-        figures = planners.run(steps=steps, quick=args.quick, progress=None if args.quiet else sys.stderr,
+        figures = planners.run(steps=args.steps, quick=args.quick, progress=None if args.quiet else sys.stderr,
                                system_malloc=args.system_malloc)
         print(planners.format_report(figures))
     elif args.zero:
@@ -107,7 +106,8 @@ def main(argv=None) -> int:
     else:
         from . import checkpointing, probe
 
-        args.steps = 8 if args.steps is None else args.steps
+        if args.steps is None:
+            args.steps = checkpointing.STEPS
         try:
             cfg = _config(args)
             checkpointing.check_settings(checkpointing.QUICK if args.quick else cfg, args.steps, args.device)

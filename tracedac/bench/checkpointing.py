@@ -51,44 +51,23 @@ import torch
 import tracedac
 
 from . import floors, probe
-from .child import run_child, target_lines, time_in_turns
+from .child import Progress, clear_grads, mib, run_child, seeded_step, table, target, target_lines, time_in_turns
 from .model import GPT, Block, Config, make_batch
 from .variants import VARIANTS
 
-__all__ = ["QUICK", "TRACE_DIM", "check_settings", "child_checks", "format_report", "run"]
+__all__ = ["QUICK", "STEPS", "TRACE_DIM", "check_settings", "child_checks", "format_report", "run"]
 
 # A model that finishes every section in seconds: for tests and for checking a set-up.
 QUICK = Config(vocab=64, layers=2, dim=32, heads=2, experts=4, top_k=2, expert_hidden=64, batch=2, seq=16)
 # Hidden size at which the cost of tracing a forward is judged.
 TRACE_DIM = 512
+STEPS = 8  # default timed steps per variant
 _GRAD_SEED = 1000  # the step whose gradients and token counts are compared
-
-
-class _Progress:
-    """One line per event on ``stream``, with the time since the run began."""
-
-    def __init__(self, stream: TextIO | None):
-        self.stream = stream
-        self.start = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        if self.stream is not None:
-            print(f"[{time.perf_counter() - self.start:6.1f}s] {message}", file=self.stream, flush=True)
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _clear_grads(model: GPT) -> None:
-    for p in model.parameters():
-        p.grad = None
-
-
-def _step(model: GPT, batch, seed: int) -> None:
-    torch.manual_seed(seed)
-    model(*batch).backward()
 
 
 def _timed(device: torch.device, fn: Callable, *args) -> tuple[float, object]:
@@ -105,11 +84,11 @@ def _check_step(model: GPT, batch, cfg: Config) -> tuple[dict[str, torch.Tensor]
     routers = model.routers()
     for r in routers:
         r.tokens_per_expert.zero_()
-    _clear_grads(model)
-    _step(model, batch, cfg.seed + _GRAD_SEED)
+    clear_grads(model)
+    seeded_step(model, batch, cfg.seed + _GRAD_SEED)
     counted = sum(int(r.tokens_per_expert.sum()) for r in routers)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    _clear_grads(model)
+    clear_grads(model)
     return grads, counted
 
 
@@ -125,7 +104,7 @@ def _max_grad_difference(grads: dict[str, torch.Tensor], reference: dict[str, to
 
 def _held_after_forward(model: GPT, batch, seed: int, device: torch.device) -> int:
     """Allocator bytes the forward left allocated while its loss is alive (see module doc)."""
-    _clear_grads(model)
+    clear_grads(model)
     torch.manual_seed(seed)
     gc.collect()
     before = probe.allocated_bytes(device)
@@ -134,7 +113,7 @@ def _held_after_forward(model: GPT, batch, seed: int, device: torch.device) -> i
     held = probe.allocated_bytes(device) - before
     loss.backward()
     del loss
-    _clear_grads(model)
+    clear_grads(model)
     return held
 
 
@@ -144,7 +123,7 @@ def _python_held_after_forward(model: GPT, batch, seed: int) -> int:
     A part of ``_held_after_forward``'s figure, measured in a forward of its own because
     tracemalloc keeps its records in malloc'd memory the probe would count.
     """
-    _clear_grads(model)
+    clear_grads(model)
     torch.manual_seed(seed)
     gc.collect()
     tracemalloc.start()
@@ -156,7 +135,7 @@ def _python_held_after_forward(model: GPT, batch, seed: int) -> int:
         tracemalloc.stop()
     loss.backward()
     del loss
-    _clear_grads(model)
+    clear_grads(model)
     return held
 
 
@@ -221,8 +200,8 @@ def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> dict[s
     models = {v.key: v.build(base) for v in VARIANTS if v.unavailable() is None}
     say(f"timing: one untimed step per variant, then {steps} timed")
     for model in models.values():
-        _step(model, batch, cfg.seed)
-        _clear_grads(model)
+        seeded_step(model, batch, cfg.seed)
+        clear_grads(model)
 
     def timed_step(key, rep):
         model = models[key]
@@ -230,7 +209,7 @@ def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> dict[s
         forward, loss = _timed(device, model, *batch)
         backward = _timed(device, loss.backward)[0]
         del loss
-        _clear_grads(model)
+        clear_grads(model)
         return forward, backward
 
     return time_in_turns(models, steps, timed_step, say)
@@ -252,6 +231,11 @@ def _compare(cfg: Config, steps: int, device: torch.device, say) -> list[dict]:
             row["backward_s"] = statistics.median(b for _, b in split[variant.key])
         rows.append(row)
     return rows
+
+
+def _ratio_key(key: str) -> str:
+    """Where ``_tracing`` stores a mode's forward time over the plain one: tracedac's is ``ratio``."""
+    return "ratio" if key == "traced" else f"{key}_ratio"
 
 
 def _tracing(cfg: Config, forwards: int, device: torch.device, say) -> dict:
@@ -284,15 +268,10 @@ def _tracing(cfg: Config, forwards: int, device: torch.device, say) -> dict:
     plain_s = result["plain_forward_s"] = statistics.median(times["plain"])
     for key in ("empty_mode", "least_recorder", "traced"):
         seconds = result[f"{key}_forward_s"] = statistics.median(times[key])
-        result["ratio" if key == "traced" else f"{key}_ratio"] = seconds / plain_s
+        result[_ratio_key(key)] = seconds / plain_s
     for key, seconds in times.items():
         result[f"{key}_times_s"] = seconds
     return result
-
-
-def _target(name: str, value: float | None, limit: float, unit: str = "x") -> dict:
-    return {"name": name, "value": value, "limit": limit, "unit": unit,
-            "passed": None if value is None else value <= limit}
 
 
 def _targets(rows: list[dict], tracing: dict) -> list[dict]:
@@ -303,15 +282,15 @@ def _targets(rows: list[dict], tracing: dict) -> list[dict]:
         return None if x is None or y is None else x / y
 
     return [
-        _target("tracedac recompute_all step time / torch.utils.checkpoint",
-                ratio("tracedac_recompute_all", "torch", "step_s"), 1.00),
-        _target("tracedac recompute_all step time / no checkpoint",
-                ratio("tracedac_recompute_all", "none", "step_s"), 1.40),
-        _target("tracedac save_matmuls bytes held / torch selective",
-                ratio("tracedac_save_matmuls", "torch_sac", "bytes_held"), 1.00),
-        _target("tracedac save_matmuls step time / torch selective",
-                ratio("tracedac_save_matmuls", "torch_sac", "step_s"), 1.00),
-        _target(f"traced forward / plain forward at dim {tracing['dim']}", tracing["ratio"], 1.10),
+        target("tracedac recompute_all step time / torch.utils.checkpoint",
+               ratio("tracedac_recompute_all", "torch", "step_s"), 1.00),
+        target("tracedac recompute_all step time / no checkpoint",
+               ratio("tracedac_recompute_all", "none", "step_s"), 1.40),
+        target("tracedac save_matmuls bytes held / torch selective",
+               ratio("tracedac_save_matmuls", "torch_sac", "bytes_held"), 1.00),
+        target("tracedac save_matmuls step time / torch selective",
+               ratio("tracedac_save_matmuls", "torch_sac", "step_s"), 1.00),
+        target(f"traced forward / plain forward at dim {tracing['dim']}", tracing["ratio"], 1.10),
     ]
 
 
@@ -336,7 +315,7 @@ def check_settings(cfg: Config, steps: int, device: str) -> tuple[Config, torch.
     return trace_cfg, dev
 
 
-def run(cfg: Config = Config(), *, steps: int = 8, device: str = "cpu", quick: bool = False,
+def run(cfg: Config = Config(), *, steps: int = STEPS, device: str = "cpu", quick: bool = False,
         progress: TextIO | None = sys.stderr, system_malloc: bool = False) -> dict:
     """Run the comparison and the tracing-overhead section; return every figure.
 
@@ -351,7 +330,7 @@ def run(cfg: Config = Config(), *, steps: int = 8, device: str = "cpu", quick: b
     trace_cfg, dev = check_settings(cfg, steps, device)
     if quick:
         trace_cfg = cfg
-    say = _Progress(progress)
+    say = Progress(progress)
     start = time.perf_counter()
     load = os.getloadavg()[0]  # before any work of ours: what else runs on the machine
     if dev.type == "cpu" and load >= 1.0 and "OMP_WAIT_POLICY" not in os.environ:
@@ -385,10 +364,6 @@ def run(cfg: Config = Config(), *, steps: int = 8, device: str = "cpu", quick: b
 # --- text ----------------------------------------------------------------------------------
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
 def _row_cells(row: dict) -> list[str]:
     if row["status"] != "ok":
         return [row["label"], row["status"], "", "", "", "", "", "", ""]
@@ -401,8 +376,8 @@ def _row_cells(row: dict) -> list[str]:
         f"{row['step_vs_none']:.2f}x",
         f"{row['forward_s'] * 1e3:.0f} ms",
         f"{row['backward_s'] * 1e3:.0f} ms",
-        _mib(row["bytes_held"]),
-        _mib(row["python_bytes_held"]),
+        mib(row["bytes_held"]),
+        mib(row["python_bytes_held"]),
         f"{row['max_grad_diff']:.1e}",
         tokens,
     ]
@@ -414,12 +389,6 @@ def format_report(result: dict) -> str:
     true_tokens = result["variants"][0]["true_tokens"]
     header = ["variant", "step (median)", "vs none", "forward", "backward", "held after fwd", "of it Python", "max |grad diff|",
               f"MoE tokens (true {true_tokens})"]
-    cells = [header] + [_row_cells(r) for r in result["variants"]]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
-
-    def line(c: list[str]) -> str:
-        return "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths)))
-
     out = [
         f"model: {cfg['layers']} blocks, dim {cfg['dim']}, {cfg['heads']} heads, {cfg['experts']} experts "
         f"(top {cfg['top_k']}, width {cfg['expert_hidden']}), batch {cfg['batch']}x{cfg['seq']} tokens, "
@@ -428,9 +397,7 @@ def format_report(result: dict) -> str:
         f"{result['steps']} timed steps per variant; timing allocator: {result.get('timing_allocator', 'default')}; "
         f"memory: {result['probe']}",
         "",
-        line(header),
-        line(["-" * w for w in widths]),
-        *(line(c) for c in cells[1:]),
+        *table(header, [_row_cells(r) for r in result["variants"]]),
         "",
     ]
     t = result["tracing"]
@@ -441,7 +408,7 @@ def format_report(result: dict) -> str:
         ("recorded by the least recorder", "least_recorder", "the least any recorder in Python must do (bench/floors.py)"),
         ("recorded by tracedac", "traced", ""),
     ):
-        ratio = t[f"{key}_forward_s"] / t["plain_forward_s"]
+        ratio = 1.0 if key == "plain" else t[_ratio_key(key)]
         out.append(f"  {label:<33} {t[f'{key}_forward_s'] * 1e3:6.0f} ms  {ratio:5.2f}x  {note}".rstrip())
     out += ["", "targets:"]
     out += target_lines(result)

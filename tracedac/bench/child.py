@@ -1,15 +1,45 @@
-"""What the benchmarks share: measuring in a child interpreter, timing variants in turns, and
-printing targets."""
+"""What the benchmarks share: progress lines, a seeded step, measuring in a child interpreter,
+timing variants in turns, and printing tables and targets."""
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
+import time
+from typing import TextIO
 
-__all__ = ["run_child", "target_lines", "time_in_turns"]
+import torch
+
+__all__ = ["Progress", "clear_grads", "conditions_line", "mark", "mib", "run_child", "seeded_step", "table",
+           "target", "target_lines", "time_in_turns"]
+
+
+class Progress:
+    """One line per event on ``stream``, with the time since the run began."""
+
+    def __init__(self, stream: TextIO | None):
+        self.stream = stream
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.stream is not None:
+            print(f"[{time.perf_counter() - self.start:6.1f}s] {message}", file=self.stream, flush=True)
+
+
+def clear_grads(model: torch.nn.Module) -> None:
+    """Drop every parameter's gradient (``None``, not zeros: no bytes stay allocated)."""
+    for p in model.parameters():
+        p.grad = None
+
+
+def seeded_step(model: torch.nn.Module, batch, seed: int) -> None:
+    """Forward and backward of ``model(*batch)`` (which returns the loss) after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    model(*batch).backward()
 
 
 def run_child(source: str, spec: dict, say, what: str, retry: str) -> dict:
@@ -55,13 +85,42 @@ def time_in_turns(keys, steps: int, timed_step, say, what: str = "timing") -> di
     return times
 
 
+def target(name: str, value: float | None, limit: float, unit: str = "x") -> dict:
+    """A target met when ``value <= limit``; undecided (``passed`` None) without a finite value."""
+    passed = None if value is None or not math.isfinite(value) else value <= limit
+    return {"name": name, "value": value, "limit": limit, "unit": unit, "passed": passed}
+
+
+def mib(n: float) -> str:
+    """Bytes as MiB, two decimals."""
+    return f"{n / 2**20:.2f} MiB"
+
+
+def table(header: list[str], cells: list[list[str]]) -> list[str]:
+    """``cells`` under ``header`` and a rule, the first column left-aligned, the others right."""
+    widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
+
+    def line(c: list[str]) -> str:
+        return "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths)))
+
+    return [line(header), line(["-" * w for w in widths]), *(line(c) for c in cells)]
+
+
+def mark(passed: bool | None) -> str:
+    """PASS, FAIL, or ``n/a `` (as wide) for a check that could not decide."""
+    return "n/a " if passed is None else ("PASS" if passed else "FAIL")
+
+
+def conditions_line(result: dict) -> str:
+    """The run's wall time and the load on the machine before it, after a blank line."""
+    return (f"\nwall time {result['wall_s']:.1f}s; load average {result['load_average_before']:.1f} "
+            f"on {result['cpus']} CPUs before the run (other processes skew timings)")
+
+
 def target_lines(result: dict) -> list[str]:
     """The targets of a benchmark's result, one PASS/FAIL line each, and the run's conditions."""
     out = []
-    for target in result["targets"]:
-        mark = "n/a " if target["passed"] is None else ("PASS" if target["passed"] else "FAIL")
-        value = "-" if target["value"] is None else f"{target['value']:.3f}{target['unit']}"
-        out.append(f"  {mark}  {target['name']}: {value} (target <= {target['limit']:.2f}{target['unit']})")
-    out.append(f"\nwall time {result['wall_s']:.1f}s; load average {result['load_average_before']:.1f} "
-               f"on {result['cpus']} CPUs before the run (other processes skew timings)")
-    return out
+    for t in result["targets"]:
+        value = "-" if t["value"] is None else f"{t['value']:.3f}{t['unit']}"
+        out.append(f"  {mark(t['passed'])}  {t['name']}: {value} (target <= {t['limit']:.2f}{t['unit']})")
+    return out + [conditions_line(result)]

@@ -50,14 +50,13 @@ class AllGatherCounter(TorchDispatchMode):
     """Bytes and calls of all-gathers run while the mode is on, keyed by dtype name.
 
     ``bytes[dtype]`` sums the gathered tensors' ``numel * element_size``; ``calls`` counts
-    the all-gather ops; ``wrappers`` names the custom ops whose bodies were searched.
+    the all-gather ops; ``total()`` is the bytes of every dtype.
     """
 
     def __init__(self):
         super().__init__()
         self.bytes: Counter[str] = Counter()
         self.calls = 0
-        self.wrappers: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -72,7 +71,6 @@ class AllGatherCounter(TorchDispatchMode):
 
     def _run_body(self, func, args, kwargs):
         """Run a custom op's kernel with this mode on, so collectives inside it are seen."""
-        self.wrappers[str(func)] += 1
         devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         key = "CUDA" if "cuda" in devices else "CPU"
         # The computed table: a custom op registers its kernel as CompositeExplicitAutograd.
@@ -83,4 +81,5 @@ class AllGatherCounter(TorchDispatchMode):
             return func.redispatch(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)), *args, **kwargs)
 
     def total(self) -> int:
+        """Bytes gathered, all dtypes together."""
         return sum(self.bytes.values())

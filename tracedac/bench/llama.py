@@ -38,10 +38,6 @@ class LlamaConfig:
     eps: float = 1e-5
     seed: int = 0
 
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.seq
-
     def check(self) -> None:
         """Raise a ValueError naming the first size that cannot build a model."""
         for name in ("vocab", "layers", "dim", "heads", "mlp_hidden", "batch", "seq"):

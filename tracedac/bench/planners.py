@@ -92,13 +92,11 @@ import tracedac
 from tracedac import policies
 
 from . import probe
-from .child import run_child, time_in_turns
-from .checkpointing import _Progress
+from .child import Progress, clear_grads, conditions_line, mark, run_child, seeded_step, table, time_in_turns
 from .llama import DecoderLayer, Llama, LlamaConfig, make_batch
 
-__all__ = ["BUDGETS", "PEAK_BUDGET", "QUICK", "QUICK_BUDGETS", "SLACK_PER_REGION",
-           "TENSOR_SLACK_PER_REGION", "child_measure",
-           "format_report", "run"]
+__all__ = ["BUDGETS", "PEAK_BUDGET", "QUICK", "QUICK_BUDGETS", "SLACK_PER_REGION", "STEPS",
+           "TENSOR_SLACK_PER_REGION", "child_measure", "format_report", "run"]
 
 # A model that finishes every section in seconds: for tests and for checking a set-up.
 QUICK = LlamaConfig(vocab=64, layers=2, dim=32, heads=2, mlp_hidden=96, batch=2, seq=16)
@@ -115,6 +113,7 @@ TENSOR_SLACK_PER_REGION = 8 << 10
 # tensor a region computed, shows what they weigh; no checkpoint's graph weighs about as much.
 SLACK_PER_REGION = 128 << 10
 PEAK_BUDGET = 0.3
+STEPS = 3  # default timed steps per tracedac variant
 TORCH_STEPS = 2  # timed steps per torch.compile budget: eager graphs, an indication only
 PEAK_STEPS = 3
 _SEED = 7  # torch.manual_seed before each step; nothing here is random, it is for good measure
@@ -155,7 +154,7 @@ def _variants(budgets, matched=()) -> list[dict]:
     ]
     rows += [{"key": f"budget_{b:.2f}", "label": f"memory_budget({b:.1f})", "spec": b, "budget": b} for b in budgets]
     rows += [{"key": f"match_{b:.2f}", "label": f"memory_budget({n}) [torch {b:.1f}]", "spec": ("bytes", n),
-              "budget": None, "match": b, "region_bytes": n} for b, n in matched]
+              "budget": None, "region_bytes": n} for b, n in matched]
     return rows
 
 
@@ -164,7 +163,7 @@ def _policy(spec):
         return policies.save_all()
     if spec == "recompute_all":
         return policies.recompute_all()
-    if isinstance(spec, (tuple, list)):  # ("bytes", n): an int budget
+    if isinstance(spec, tuple):  # ("bytes", n): an int budget
         return policies.memory_budget(int(spec[1]))
     return policies.memory_budget(float(spec))
 
@@ -176,16 +175,6 @@ def _build(base: Llama, spec) -> Llama:
     return model
 
 
-def _clear_grads(model) -> None:
-    for p in model.parameters():
-        p.grad = None
-
-
-def _step(model: Llama, batch) -> None:
-    torch.manual_seed(_SEED)
-    model(*batch).backward()
-
-
 def _layer_inputs(base: Llama, batch) -> list[torch.Tensor]:
     """What each layer of the plain model receives, as leaves that require grad."""
     with torch.no_grad():
@@ -195,6 +184,16 @@ def _layer_inputs(base: Llama, batch) -> list[torch.Tensor]:
             inputs.append(x.detach().requires_grad_())
             x = layer(x)
     return inputs
+
+
+def _first_input(cfg: LlamaConfig, device: torch.device) -> tuple[Llama, tuple, torch.Tensor]:
+    """The seeded model and the batch on ``device``, and what the first layer receives from
+    the embedding, as a leaf that requires grad."""
+    base = Llama.seeded(cfg).to(device)
+    batch = tuple(t.to(device) for t in make_batch(cfg))
+    with torch.no_grad():
+        x = base.embed(batch[0])  # [B, T, D]
+    return base, batch, x.detach().requires_grad_()
 
 
 # --- memory, in the child interpreter -----------------------------------------------------
@@ -212,19 +211,19 @@ def _run_layers(model: Llama, x: torch.Tensor) -> list[torch.Tensor]:
 def _finish(model: Llama, x: torch.Tensor, outs: list[torch.Tensor]) -> None:
     outs[-1].sum().backward()
     x.grad = None
-    _clear_grads(model)
+    clear_grads(model)
 
 
-def _held(model: Llama, x: torch.Tensor, device: torch.device) -> tuple[int, int]:
-    """Allocator bytes the layers' forward left behind, without the layers' outputs; and those."""
+def _held(model: Llama, x: torch.Tensor, device: torch.device) -> int:
+    """Allocator bytes the layers' forward left behind, without the layers' outputs."""
     gc.collect()
     before = probe.allocated_bytes(device)
     outs = _run_layers(model, x)
     gc.collect()
     held = probe.allocated_bytes(device) - before
-    boundary = sum(o.untyped_storage().nbytes() for o in outs)
+    held -= sum(o.untyped_storage().nbytes() for o in outs)
     _finish(model, x, outs)
-    return held - boundary, boundary
+    return held
 
 
 def _allocation_events(prof) -> list[int]:
@@ -346,8 +345,9 @@ def _recomputed(graph) -> tuple[int, int]:
     return ops, flops
 
 
-def _compiled(base: Llama, budget: float, partitioned: _Partitioned) -> Llama:
-    """A copy of ``base`` whose layers torch.compile partitions at ``budget`` on first call."""
+def _compiled(base: Llama, partitioned: _Partitioned) -> Llama:
+    """A copy of ``base`` whose layers torch.compile partitions on first call, at the
+    ``activation_memory_budget`` in force then."""
     torch._dynamo.reset()  # forget the previous budget's graphs
     model = copy.deepcopy(base)
     for layer in model.layers:
@@ -356,18 +356,15 @@ def _compiled(base: Llama, budget: float, partitioned: _Partitioned) -> Llama:
 
 
 def _measure_tracedac(cfg: LlamaConfig, budgets, matched, device: torch.device, say) -> dict[str, dict]:
-    base = Llama.seeded(cfg).to(device)
-    batch = tuple(t.to(device) for t in make_batch(cfg))
-    x = _layer_inputs(base, batch)[0]
+    base, batch, x = _first_input(cfg, device)
     found = {}
     variants = _variants(budgets, matched)
     for i, v in enumerate(variants, 1):
         say(f"[{i}/{len(variants)}] tracedac {v['label']}: bytes kept")
         model = _build(base, v["spec"])
-        _step(model, batch)  # the first step plans; the measured one uses the cached plan
-        _clear_grads(model)
-        kept, boundary = _held(model, x, device)
-        found[v["key"]] = {"status": "ok", "bytes_kept": kept, "boundary_bytes": boundary,
+        seeded_step(model, batch, _SEED)  # the first step plans; the measured one uses the cached plan
+        clear_grads(model)
+        found[v["key"]] = {"status": "ok", "bytes_kept": _held(model, x, device),
                            "python_bytes": _python_held(model, x), "tensor_bytes": _tensor_held(model, x)}
     return found
 
@@ -380,31 +377,29 @@ def _measure_torch(cfg: LlamaConfig, budgets, steps: int, device: torch.device, 
     so the figure is what the partitioner's choice costs, not what inductor's kernels would.
     """
     steps = min(steps, TORCH_STEPS)
-    base = Llama.seeded(cfg).to(device)
-    batch = tuple(t.to(device) for t in make_batch(cfg))
-    x = _layer_inputs(base, batch)[0]
+    base, batch, x = _first_input(cfg, device)
     partitioned = _Partitioned()
     found = {}
     for i, b in enumerate(budgets, 1):
         say(f"[{i}/{len(budgets)}] torch.compile activation_memory_budget={b:.1f}: compile, bytes, {steps} steps")
-        model = _compiled(base, b, partitioned)
+        model = _compiled(base, partitioned)
         # Everything under the budget: were dynamo to recompile here, it would use it.
         with torch._functorch.config.patch(activation_memory_budget=b):
-            _step(model, batch)  # compiles; later calls run the cached graphs
-            _clear_grads(model)
-            held, boundary = _held(model, x, device)
+            seeded_step(model, batch, _SEED)  # compiles; later calls run the cached graphs
+            clear_grads(model)
+            held = _held(model, x, device)
             tensors = _tensor_held(model, x)
             partitioned.reset()
             saved = _saved_bytes(model, x)  # one forward and one backward
-            found[f"{b:.2f}"] = {"bytes_held": held, "boundary_bytes": boundary, "tensor_bytes": tensors,
+            found[f"{b:.2f}"] = {"bytes_held": held, "tensor_bytes": tensors,
                                  "bytes_saved": saved, "recomputed_ops": partitioned.recomputed_ops,
                                  "recompute_flops": partitioned.recompute_flops, "step_times_s": []}
             for _ in range(steps):
                 gc.collect()
                 start = time.perf_counter()
-                _step(model, batch)
+                seeded_step(model, batch, _SEED)
                 found[f"{b:.2f}"]["step_times_s"].append(time.perf_counter() - start)
-                _clear_grads(model)
+                clear_grads(model)
     torch._dynamo.reset()
     return found
 
@@ -448,12 +443,12 @@ def _measure_in_child(cfg: LlamaConfig, budgets, steps: int, device: torch.devic
 
 
 def _backward_flops(model: Llama, batch) -> int:
-    _clear_grads(model)
+    clear_grads(model)
     torch.manual_seed(_SEED)
     loss = model(*batch)
     with _flop_counter() as counter:
         loss.backward()
-    _clear_grads(model)
+    clear_grads(model)
     return counter.get_total_flops()
 
 
@@ -474,16 +469,14 @@ def _library_rows(base: Llama, batch, variants) -> dict:
 
 
 def _time_tracedac(models: dict[str, Llama], batch, steps: int, say) -> dict[str, list[float]]:
-    say(f"timing tracedac: one untimed step per variant, then {steps} timed, taking turns")
-    for model in models.values():
-        _step(model, batch)
-        _clear_grads(model)
+    """Times of ``steps`` steps per variant, taking turns; each model has run a step already."""
+    say(f"timing tracedac: {steps} timed steps per variant, taking turns")
 
     def timed_step(key, rep):
         start = time.perf_counter()
-        _step(models[key], batch)
+        seeded_step(models[key], batch, _SEED)
         seconds = time.perf_counter() - start
-        _clear_grads(models[key])
+        clear_grads(models[key])
         return seconds
 
     return time_in_turns(models, steps, timed_step, say, "timing tracedac")
@@ -501,7 +494,7 @@ def _forward_peak(model: Llama, batch) -> int:
     reported, so the figure can only err upwards. Python objects are not seen; glibc keeps no
     peak to read them from.
     """
-    _clear_grads(model)
+    clear_grads(model)
     gc.collect()
     torch.manual_seed(_SEED)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -511,7 +504,7 @@ def _forward_peak(model: Llama, batch) -> int:
         level += size
         peak = max(peak, level)
     loss.backward()
-    _clear_grads(model)
+    clear_grads(model)
     return peak
 
 
@@ -538,11 +531,8 @@ def _tracedac_rows(cfg, variants, measured, library, flops, times) -> list[dict]
     plain = statistics.median(times["none"])
     rows = []
     for v in variants:
-        row = {k: v[k] for k in ("key", "label", "budget", "match", "region_bytes") if k in v}
+        row = {k: v[k] for k in ("key", "label", "budget", "region_bytes") if k in v}
         row.update(measured[v["key"]])
-        if row["status"] != "ok":
-            rows.append(row)
-            continue
         row["replay_flops"] = flops[v["key"]]
         row["step_times_s"] = times[v["key"]]
         row["step_s"] = statistics.median(times[v["key"]])
@@ -584,7 +574,7 @@ def _checks(cfg, tracedac_rows, torch_rows) -> list[dict]:
     checks = []
     slack, tensor_slack = SLACK_PER_REGION * cfg.layers, TENSOR_SLACK_PER_REGION * cfg.layers
     for row in tracedac_rows:
-        if row["status"] != "ok" or "budget_bytes" not in row:
+        if "budget_bytes" not in row:
             continue
         checks.append({"name": f"{row['label']}: tensors kept {_mib(row['tensor_bytes'])} <= budget "
                                f"{_mib(row['budget_tensor_bytes'])} MiB + {tensor_slack >> 10} KiB",
@@ -598,11 +588,7 @@ def _checks(cfg, tracedac_rows, torch_rows) -> list[dict]:
         return checks
     by_key = {r["key"]: r for r in tracedac_rows}
     for t in torch_rows:
-        row = by_key.get(f"match_{t['budget']:.2f}")
-        if row is None or row["status"] != "ok":
-            checks.append({"name": f"torch budget {t['budget']:.1f}: no tracedac row at its bytes", "value": None,
-                           "limit": t["recompute_flops"], "passed": None})
-            continue
+        row = by_key[f"match_{t['budget']:.2f}"]  # child_measure matches every torch row
         # Tensor bytes on both sides (profiler events): the allocator's figure also counts
         # bookkeeping, which on a small model would outweigh what is being compared.
         fewer = row["tensor_bytes"] <= t["tensor_bytes"] + tensor_slack
@@ -627,7 +613,7 @@ def check_settings(cfg: LlamaConfig, steps: int, device: str) -> torch.device:
     return dev
 
 
-def run(cfg: LlamaConfig = LlamaConfig(), *, steps: int = 3, budgets=BUDGETS, quick: bool = False,
+def run(cfg: LlamaConfig = LlamaConfig(), *, steps: int = STEPS, budgets=BUDGETS, quick: bool = False,
         progress: TextIO | None = sys.stderr, system_malloc: bool = False, compare_torch: bool = True) -> dict:
     """Run every section and return every figure.
 
@@ -640,7 +626,7 @@ def run(cfg: LlamaConfig = LlamaConfig(), *, steps: int = 3, budgets=BUDGETS, qu
         cfg, budgets, steps = QUICK, QUICK_BUDGETS, min(steps, 2)
     budgets = tuple(float(b) for b in budgets)
     dev = check_settings(cfg, steps, "cpu")
-    say = _Progress(progress)
+    say = Progress(progress)
     start = time.perf_counter()
     load = os.getloadavg()[0]
     steady = not system_malloc and probe.keep_freed_memory()
@@ -651,14 +637,14 @@ def run(cfg: LlamaConfig = LlamaConfig(), *, steps: int = 3, budgets=BUDGETS, qu
     variants = _variants(budgets, measured["matched"])
     say("library accounting: trade_off per layer")
     library = _library_rows(base, batch, variants)
-    ok = [v for v in variants if measured["tracedac"][v["key"]]["status"] == "ok"]
-    models = {v["key"]: _build(base, v["spec"]) for v in ok}
+    models = {v["key"]: _build(base, v["spec"]) for v in variants}
     say("replay FLOPs: FlopCounterMode around backward, per variant")
     for model in models.values():
-        _step(model, batch)  # plan first, as in the measured steps
-        _clear_grads(model)
-    plain = _backward_flops(models["none"], batch)
-    flops = {k: _backward_flops(m, batch) - plain for k, m in models.items()}
+        seeded_step(model, batch, _SEED)  # plan first, as in the measured steps
+        clear_grads(model)
+    flops = {k: _backward_flops(m, batch) for k, m in models.items()}
+    plain = flops["none"]
+    flops = {k: f - plain for k, f in flops.items()}
     times = _time_tracedac(models, batch, steps, say)
     del models
     peaks = _peaks(base, batch, 2 if quick else PEAK_STEPS, say)
@@ -704,18 +690,7 @@ def _gflop(n) -> str:
     return "-" if n is None else f"{n / 1e9:.3f}"
 
 
-def _table(header: list[str], cells: list[list[str]]) -> list[str]:
-    widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
-
-    def line(c):
-        return "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths)))
-
-    return [line(header), line(["-" * w for w in widths]), *(line(c) for c in cells)]
-
-
 def _tracedac_cells(row: dict) -> list[str]:
-    if row["status"] != "ok":
-        return [row["label"], row["status"]] + [""] * 9
     within = "-" if "within_budget" not in row else "/".join(
         "yes" if row[k] else "NO" for k in ("tensors_within_budget", "within_budget"))
     lib = row.get("lib_replay_flops")
@@ -746,7 +721,7 @@ def format_report(result: dict) -> str:
     ]
     header = ["variant", "budget", "tensors", "lib kept", "alloc kept", "of it Py", "<= budget?", "replay FLOPs",
               "lib FLOPs", "lib ops", "step", "vs none"]
-    out += _table(header, [_tracedac_cells(r) for r in result["tracedac_rows"]])
+    out += table(header, [_tracedac_cells(r) for r in result["tracedac_rows"]])
     row = next((r for r in result["tracedac_rows"] if r.get("full_bytes")), {})
     layers = cfg["layers"]
     out += [
@@ -759,13 +734,13 @@ def format_report(result: dict) -> str:
     odd = [r for r in result["tracedac_rows"] if r.get("flops_match") is False]
     if odd:
         out.append("replay FLOPs from outside != library's at " + ", ".join(
-            f"{r['budget']:.1f} ({_gflop(r['replay_flops'])} vs {_gflop(r['lib_replay_flops'])})" for r in odd))
+            f"{r['label']} ({_gflop(r['replay_flops'])} vs {_gflop(r['lib_replay_flops'])})" for r in odd))
     out += ["", f"torch.compile activation_memory_budget ({result['torch_backend']})"]
     if isinstance(result["torch_rows"], str):
         out.append(f"  not run: {result['torch_rows']}")
     else:
-        out += _table(["budget", "held", "tensors", "saved", "recomputed ops", "recompute FLOPs", "step (child)"],
-                      [_torch_cells(r) for r in result["torch_rows"]])
+        out += table(["budget", "held", "tensors", "saved", "recomputed ops", "recompute FLOPs", "step (child)"],
+                     [_torch_cells(r) for r in result["torch_rows"]])
     p = result["peaks"]
     out += ["", "peak tensor bytes during forward (profiler allocation events), per step:"]
     for key in ("none", "budget"):
@@ -773,11 +748,9 @@ def format_report(result: dict) -> str:
         out.append(f"  {p[key]['label']}: {steps}")
     out += ["", "checks:"]
     for c in result["checks"]:
-        mark = "n/a " if c["passed"] is None else ("PASS" if c["passed"] else "FAIL")
-        out.append(f"  {mark}  {c['name']}")
+        out.append(f"  {mark(c['passed'])}  {c['name']}")
     decided = [c["passed"] for c in result["checks"] if c["passed"] is not None]
     out.append(f"overall: {'PASS' if decided and all(decided) else 'FAIL'} "
                f"({sum(decided)}/{len(decided)} checks passed)")
-    out.append(f"\nwall time {result['wall_s']:.1f}s; load average {result['load_average_before']:.1f} "
-               f"on {result['cpus']} CPUs before the run (other processes skew timings)")
+    out.append(conditions_line(result))
     return "\n".join(out)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import math
 import os
 import statistics
 import sys
@@ -48,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from . import probe
-from .child import target_lines, time_in_turns
-from .checkpointing import QUICK, _Progress
+from .checkpointing import QUICK
+from .child import Progress, mib, target, target_lines, time_in_turns
 from .collectives import AllGatherCounter
 from .model import GPT, Config, make_batch
 from .zero_variants import LR, ZERO_VARIANTS, Trainer, ZeroVariant
@@ -149,8 +148,9 @@ def _build(variants: list[ZeroVariant], base: GPT, per_rank: int, say) -> tuple[
     return trainers, status
 
 
-def _measure(cfg: Config, steps: int, say) -> dict[str, dict]:
-    """This rank's figures per variant (see module doc); collectives in the same order on every rank."""
+def _measure(cfg: Config, steps: int, say) -> tuple[dict[str, dict], dict[str, int]]:
+    """This rank's figures per variant (see module doc), and the model's parameters per unit;
+    collectives in the same order on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = GPT.seeded(cfg)
     batch = _rank_batch(cfg, rank, world)
@@ -179,8 +179,9 @@ def _measure(cfg: Config, steps: int, say) -> dict[str, dict]:
         held = _held_after_forward(trainer, batch, cfg.seed + _MEMORY_SEED)
         held_doubled = _held_after_forward(trainer, doubled, cfg.seed + _MEMORY_SEED)
         found[key].update(step_times_s=times[key], loss=losses[key], all_gather_bytes=dict(counter.bytes),
-                          all_gather_calls=counter.calls, bytes_held=held, bytes_held_doubled=held_doubled)
-    return found
+                          all_gather_bytes_total=counter.total(), all_gather_calls=counter.calls,
+                          bytes_held=held, bytes_held_doubled=held_doubled)
+    return found, _unit_numels(base)
 
 
 def _combine(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
@@ -212,17 +213,11 @@ def _rows(found: dict[str, dict], units: dict[str, int]) -> list[dict]:
             baseline = step.get(f"fsdp2_{v.precision}")
             row["step_s"] = step[v.key]
             row["step_vs_fsdp2"] = None if baseline is None else step[v.key] / baseline
-            row["all_gather_bytes_total"] = sum(row["all_gather_bytes"].values())
             unit = row["smallest_unit_bytes"] = smallest * (2 if v.bf16 else 4)
             row["full_unit_held"] = None if unit < _MIN_UNIT_BYTES else row["bytes_fixed"] >= _FULL_UNIT * unit
             row["loss_diff"] = None if reference is None else abs(row["loss"] - reference)
         rows.append(row)
     return rows
-
-
-def _target(name: str, value: float | None, limit: float, unit: str = "x") -> dict:
-    passed = None if value is None or not math.isfinite(value) else value <= limit
-    return {"name": name, "value": value, "limit": limit, "unit": unit, "passed": passed}
 
 
 def _targets(rows: list[dict]) -> list[dict]:
@@ -233,17 +228,17 @@ def _targets(rows: list[dict]) -> list[dict]:
 
     fp32, bf16 = get("tracedac_fp32", "all_gather_bytes_total"), get("tracedac_bf16", "all_gather_bytes_total")
     targets = [
-        _target("tracedac.zero fp32 step time / FSDP2 fp32", get("tracedac_fp32", "step_vs_fsdp2"), 1.00),
-        _target("tracedac.zero bf16 step time / FSDP2 bf16", get("tracedac_bf16", "step_vs_fsdp2"), 1.00),
-        _target("tracedac.zero all-gather bytes, bf16 / fp32", None if not (fp32 and bf16) else bf16 / fp32, 0.55),
+        target("tracedac.zero fp32 step time / FSDP2 fp32", get("tracedac_fp32", "step_vs_fsdp2"), 1.00),
+        target("tracedac.zero bf16 step time / FSDP2 bf16", get("tracedac_bf16", "step_vs_fsdp2"), 1.00),
+        target("tracedac.zero all-gather bytes, bf16 / fp32", None if not (fp32 and bf16) else bf16 / fp32, 0.55),
     ]
     for key in ("tracedac_fp32", "tracedac_bf16"):
-        fixed, unit = get(key, "bytes_fixed"), get(key, "smallest_unit_bytes")
-        target = _target(f"{by[key]['label'] if key in by else key}: fixed part held after forward / "
-                         "smallest unit (no full unit held)", None if unit is None else fixed / unit, _FULL_UNIT)
-        if unit is not None and unit < _MIN_UNIT_BYTES:
-            target["passed"] = None  # units this small are within the graph's own bookkeeping
-        targets.append(target)
+        fixed, unit, held = get(key, "bytes_fixed"), get(key, "smallest_unit_bytes"), get(key, "full_unit_held")
+        fixed_part = target(f"{by[key]['label'] if key in by else key}: fixed part held after forward / "
+                            "smallest unit (no full unit held)", None if unit is None else fixed / unit, _FULL_UNIT)
+        # the row's verdict; None where units are too small to tell from the graph's own bookkeeping
+        fixed_part["passed"] = None if held is None else not held
+        targets.append(fixed_part)
     return targets
 
 
@@ -258,17 +253,16 @@ def run(cfg: Config = Config(), *, steps: int = STEPS, quick: bool = False, prog
         cfg, steps = QUICK, min(steps, 2)
     rank, world = dist.get_rank(), dist.get_world_size()
     check_settings(cfg, steps, "cpu", world)
-    say = _Progress(progress if rank == 0 else None)
+    say = Progress(progress if rank == 0 else None)
     start = time.perf_counter()
     load = os.getloadavg()[0]
     steady = not system_malloc and probe.keep_freed_memory()
     try:
-        found = _measure(cfg, steps, say)
+        found, units = _measure(cfg, steps, say)
     finally:
         gc.unfreeze()
     everyone = [None] * world
     dist.all_gather_object(everyone, found)
-    units = _unit_numels(GPT.seeded(cfg))
     rows = _rows(_combine(everyone), units)
     wall = time.perf_counter() - start
     say(f"finished in {wall:.1f}s")
@@ -316,24 +310,18 @@ def finish() -> None:
 # --- text ----------------------------------------------------------------------------------
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
 def _gathered(row: dict) -> str:
-    parts = [f"{dtype} {_mib(n)}" for dtype, n in sorted(row["all_gather_bytes"].items())]
+    parts = [f"{dtype} {mib(n)}" for dtype, n in sorted(row["all_gather_bytes"].items())]
     return " + ".join(parts) if parts else "none"
 
 
 def _row_cells(row: dict) -> list[str]:
-    if row["status"] != "ok":
-        return [row["label"], row["status"]] + [""] * 7
     return [
         row["label"],
         f"{row['step_s'] * 1e3:.0f} ms",
         "-" if row["step_vs_fsdp2"] is None else f"{row['step_vs_fsdp2']:.2f}x",
-        _mib(row["bytes_held"]),
-        _mib(row["bytes_fixed"]),
+        mib(row["bytes_held"]),
+        mib(row["bytes_fixed"]),
         {None: "n/a", True: "yes", False: "no"}[row["full_unit_held"]],
         _gathered(row),
         f"{row['loss']:.4f}",
@@ -346,14 +334,17 @@ def format_report(result: dict) -> str:
     cfg = result["config"]
     header = ["variant", "step (median)", "vs FSDP2", "held after fwd", "of it fixed", "full unit held?",
               "all-gather / step", f"loss after {result['steps']}", "|loss - replicated|"]
-    cells = [header] + [_row_cells(r) for r in result["variants"]]
-    # a variant that did not run says why across the row: its message sets no column's width
-    widths = [max(len(c[i]) for c in cells if i == 0 or c[2:] != [""] * 7) for i in range(len(header))]
+    cells = {r["key"]: _row_cells(r) for r in result["variants"] if r["status"] == "ok"}
+    widths = [max(len(c[i]) for c in [header, *cells.values()]) for i in range(len(header))]
+    widths[0] = max([widths[0]] + [len(r["label"]) for r in result["variants"]])
 
     def line(c: list[str]) -> str:
-        if c[2:] == [""] * 7 and c is not header:
-            return f"{c[0].ljust(widths[0])}  {c[1]}"
         return "  ".join(x.ljust(w) if i in (0, 6) else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))).rstrip()
+
+    def row_line(row: dict) -> str:
+        if row["status"] != "ok":  # says why across the row: its message sets no column's width
+            return f"{row['label'].ljust(widths[0])}  {row['status']}"
+        return line(cells[row["key"]])
 
     units = result["units"]
     smallest = min(units.values())
@@ -366,12 +357,12 @@ def format_report(result: dict) -> str:
         f"{result['steps']} timed steps per variant; timing allocator: {result['timing_allocator']}",
         f"units: root {units['<root>']:,} parameters, each block {units.get('blocks.0', 0):,}; "
         f"full unit held? = fixed part >= {_FULL_UNIT} x smallest unit ({smallest:,} parameters: "
-        f"{_mib(4 * smallest)} fp32, {_mib(2 * smallest)} bf16; n/a under {_mib(_MIN_UNIT_BYTES)}); "
+        f"{mib(4 * smallest)} fp32, {mib(2 * smallest)} bf16; n/a under {mib(_MIN_UNIT_BYTES)}); "
         f"memory: {result['probe']}, max over ranks",
         "",
         line(header),
         line(["-" * w for w in widths]),
-        *(line(c) for c in cells[1:]),
+        *(row_line(r) for r in result["variants"]),
         "",
         "targets:",
     ]

@@ -79,8 +79,7 @@ class _Replicated(Trainer):
 
 
 class _DeepSpeed(Trainer):
-    def forward(self, idx, targets):
-        return self.model(idx, targets)  # the engine
+    """``model`` is DeepSpeed's engine, which runs backward and the optimizer itself."""
 
     def finish(self, loss):
         self.model.backward(loss)
@@ -139,15 +138,9 @@ def _deepspeed(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     return _DeepSpeed(engine, engine.optimizer)
 
 
-def _missing(module: str, hint: str) -> Callable[[], str | None]:
-    def check() -> str | None:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # a parent package is missing
-            found = False
-        return None if found else f"not installed ({hint})"
-
-    return check
+def _no_deepspeed() -> str | None:
+    """Why the DeepSpeed rows cannot run, or None. (tracedac.zero and FSDP2 ship with tracedac and torch.)"""
+    return None if importlib.util.find_spec("deepspeed") is not None else "not installed (pip install deepspeed)"
 
 
 @dataclass(frozen=True)
@@ -169,16 +162,12 @@ class ZeroVariant:
         return self.make(copy.deepcopy(base), self.bf16, per_rank_batch)
 
 
-_NO_TRACEDAC_ZERO = _missing("tracedac.zero", "this tracedac has no tracedac/zero/")
-_NO_FSDP2 = _missing("torch.distributed.fsdp", f"torch {torch.__version__} has no torch.distributed.fsdp")
-_NO_DEEPSPEED = _missing("deepspeed", "pip install deepspeed")
-
 ZERO_VARIANTS: tuple[ZeroVariant, ...] = (
     ZeroVariant("replicated", "replicated (all-reduce) fp32", "replicated", False, _replicated),
-    ZeroVariant("tracedac_fp32", "tracedac.zero fp32", "tracedac", False, _tracedac, _NO_TRACEDAC_ZERO),
-    ZeroVariant("fsdp2_fp32", "FSDP2 fp32", "fsdp2", False, _fsdp2, _NO_FSDP2),
-    ZeroVariant("deepspeed_fp32", "DeepSpeed ZeRO-3 fp32", "deepspeed", False, _deepspeed, _NO_DEEPSPEED),
-    ZeroVariant("tracedac_bf16", "tracedac.zero bf16", "tracedac", True, _tracedac, _NO_TRACEDAC_ZERO),
-    ZeroVariant("fsdp2_bf16", "FSDP2 bf16", "fsdp2", True, _fsdp2, _NO_FSDP2),
-    ZeroVariant("deepspeed_bf16", "DeepSpeed ZeRO-3 bf16", "deepspeed", True, _deepspeed, _NO_DEEPSPEED),
+    ZeroVariant("tracedac_fp32", "tracedac.zero fp32", "tracedac", False, _tracedac),
+    ZeroVariant("fsdp2_fp32", "FSDP2 fp32", "fsdp2", False, _fsdp2),
+    ZeroVariant("deepspeed_fp32", "DeepSpeed ZeRO-3 fp32", "deepspeed", False, _deepspeed, _no_deepspeed),
+    ZeroVariant("tracedac_bf16", "tracedac.zero bf16", "tracedac", True, _tracedac),
+    ZeroVariant("fsdp2_bf16", "FSDP2 bf16", "fsdp2", True, _fsdp2),
+    ZeroVariant("deepspeed_bf16", "DeepSpeed ZeRO-3 bf16", "deepspeed", True, _deepspeed, _no_deepspeed),
 )

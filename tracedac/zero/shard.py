@@ -76,11 +76,10 @@ class Unit:
         self.flats: list[FlatParam] = []  # groups it gathers: its own, then borrowed (shared params)
         self.slots: list[_Slot] = []
         self.active: list = []  # (gathered, hooks) per forward call running
-        self.root = False  # the model itself: its forward starts a new order of gathers
-        self.state: Prefetch | None = None
+        self.state: Prefetch | None = None  # the root unit's only: its forward starts a new order of gathers
 
     def pre(self, module, args):
-        if self.root:
+        if self.state is not None:
             self.state.begin(backward=False)  # a new forward: its gathers count from 0 again
         gathered = [Gathered(f, torch.ops.tracedac.all_gather(f.shard, f.key)) for f in self.flats]
         pieces = [g.full.split_with_sizes(g.flat.sizes) for g in gathered]
@@ -278,8 +277,8 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     _attach(uses, units_by_name, owner)
     # The root is hooked even with no parameters of its own: its forward marks a new step.
     active = [u for u in units_by_name.values() if u.slots or not u.name]
+    units_by_name[""].state = state
     for unit in active:
-        unit.root, unit.state = not unit.name, state
         unit.module.register_forward_pre_hook(unit.pre)
         unit.module.register_forward_hook(unit.post, always_call=True)
     mp = mixed_precision
@@ -330,16 +329,16 @@ def _make_flats(uses, units: dict, group, mp, timeout, state) -> dict:
     for u in uses:
         is_low = mp is not None and isinstance(u.module, mp.low_precision_modules)
         low[id(u.param)] = low.get(id(u.param), True) and is_low
-    members: dict[tuple, dict] = {}  # (unit, dtype, requires_grad) -> {id: param}, in order
+    members: dict[tuple, list] = {}  # (unit, dtype, requires_grad) -> params, in order
     first: set[int] = set()
     for u in uses:
         if id(u.param) not in first:
             first.add(id(u.param))
             dtype = mp.param_dtype if low[id(u.param)] else torch.float32
-            members.setdefault((u.unit, dtype, u.param.requires_grad), {})[id(u.param)] = u.param
+            members.setdefault((u.unit, dtype, u.param.requires_grad), []).append(u.param)
     owner = {}
     for (name, dtype, requires_grad), params in members.items():
-        unit, params = units[name], list(params.values())
+        unit = units[name]
         sizes = [p.numel() for p in params]
         numel = sum(sizes)
         per_rank = -(-numel // world)  # padded to a multiple of the world size
@@ -381,7 +380,7 @@ def _attach(uses, units: dict, owner: dict) -> None:
         shape = tuple(u.param.shape)
         placeholder = placeholders.get(id(u.param))
         if placeholder is None:  # shape readable, no memory, fails loudly if computed with
-            placeholder = placeholders[id(u.param)] = torch.empty(shape, device="meta")
+            placeholder = placeholders[id(u.param)] = torch.empty(shape, dtype=u.param.dtype, device="meta")
         unit.slots.append(_Slot(u.module, u.attr, u.fqn, unit.flats.index(flat), piece, shape, placeholder))
     for u in uses:
         u.module._parameters.pop(u.attr, None)

@@ -1,0 +1,16 @@
+"""Fixtures shared by the zero tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture
+def world1(tmp_path):
+    """A world-1 gloo process group in this process (file init), destroyed after the test."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
