@@ -21,15 +21,49 @@ Replay never runs Python from the region and never writes a tensor the program c
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from .errors import CheckpointError
 from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes
 
-__all__ = ["Slot", "plan", "run_pass"]
+__all__ = ["Slot", "fill_fresh_with_nan", "plan", "run_pass"]
 
 _Tensor = torch.Tensor
 _NOT_STARTED = ("",)
+_aten = torch.ops.aten
+# Ops whose result is uninitialized memory: a replay must write it before anything reads it.
+_UNINITIALIZED = frozenset([
+    _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
+    _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_permuted.default,
+])
+# Debugging: fill every allocation replay makes without initializing it (an ``empty_like``,
+# a ``Layout`` argument) with NaN (integers: their largest value), so that a replay handing
+# autograd memory nobody wrote shows as NaN gradients instead of whatever was there.
+_fill_nan = os.environ.get("TRACEDAC_FILL_NAN", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def fill_fresh_with_nan(enabled: bool = True):
+    """Within this block, replay fills the uninitialized tensors it allocates with NaN
+    (the environment variable ``TRACEDAC_FILL_NAN=1`` does it for a whole run). A debugging
+    aid: correct replays never read such memory before writing it."""
+    global _fill_nan
+    before, _fill_nan = _fill_nan, enabled
+    try:
+        yield
+    finally:
+        _fill_nan = before
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    if t.dtype is torch.bool:
+        return t.fill_(True)
+    return t.fill_(torch.iinfo(t.dtype).max)
 
 
 def _double_backward_error():
@@ -251,7 +285,8 @@ def _source(g: Group, kind: str) -> torch.Tensor:
     if kind == "snapshot":
         return torch.empty(0, dtype=torch.uint8, device=g.device).set_(g.snapshot)
     if kind == "outer":
-        return g.outer.unpack()
+        with torch.no_grad():  # as backward unpacks it (replay runs in grad mode)
+            return g.outer.unpack()
     raise AssertionError(kind)
 
 
@@ -309,7 +344,7 @@ def _arg(env: _Env, a):
     if isinstance(a, TensorMeta):
         return env.view(a)
     if a.__class__ is Layout:
-        return a.tensor()
+        return _poison(a.tensor()) if _fill_nan else a.tensor()
     if isinstance(a, (list, tuple)):
         return type(a)(env.view(x) if isinstance(x, TensorMeta) else x for x in a)
     return a
@@ -356,7 +391,10 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
 
     generators = {}
     try:
-        with torch.no_grad(), torch._C._DisableAutocast():
+        # Below autograd (no graph is built) but in grad mode as the forward was: some kernels
+        # make what only their backward reads when grad mode is on (mkldnn_rnn_layer's
+        # workspace, under nn.LSTM on CPU) and return an undefined tensor without it.
+        with torch._C._AutoDispatchBelowADInplaceOrView(), torch.enable_grad(), torch._C._DisableAutocast():
             for gid, (kind, state) in starts.items():
                 if kind != "create":
                     source = _source(groups[gid], kind)
@@ -379,11 +417,20 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
                         gen.set_state(state)
                 out = node.op._op(*args, **kwargs)
                 flat = (out,) if isinstance(out, _Tensor) else flatten_outputs(out)
+                if _fill_nan and node.op in _UNINITIALIZED:
+                    _poison(flat[0])
                 for k in node.creates:
                     o, m = flat[k], node.outputs[k]
                     gid = m.group
                     if starts.get(gid, _NOT_STARTED)[0] != "create":
                         continue  # an output nobody wants, or one a live tensor provides
+                    if o is None:
+                        raise CheckpointError(
+                            f"replaying {node.name} (node {node.index} of region {graph.name!r}) "
+                            f"left its output {k} undefined, but the forward's was a tensor that "
+                            "backward needs; the kernel decides from state tracedac does not "
+                            "record. Keep its result with a policy (save_ops) instead."
+                        )
                     if o.size() != m.size or o.stride() != m.stride or o.storage_offset() != m.offset:
                         raise CheckpointError(
                             f"replaying {node.name} gave a tensor laid out as size "
