@@ -195,3 +195,45 @@ def test_recurrent_modules_match_eager(name, policy):
     make, shape = RNNS[name]
     with fill_fresh_with_nan():
         assert_module_matches_eager(make, shape, policy, steps=1, dtype=torch.float32)
+
+
+def test_hidden_write_table_is_torchs_and_true():
+    """torch's SchemaInfo list is found (flagged by ``training``), and every extra entry names
+    arguments the op has; batch_norm_update_stats, the one with a CPU kernel, really writes."""
+    from tracedac.writes import EXTRA, hidden_writes
+
+    aten = torch.ops.aten
+    assert hidden_writes(aten.native_batch_norm.default) == (5, "training", ((3, "running_mean"), (4, "running_var")))
+    assert hidden_writes(aten.cudnn_batch_norm.default)[2] == ((3, "running_mean"), (4, "running_var"))
+    assert hidden_writes(aten._native_batch_norm_legit.default) is None  # its schema says so itself
+    assert hidden_writes(aten.add.Tensor) is None
+    for name, (written, reason) in EXTRA.items():
+        packet = getattr(aten, name.split("::")[1])
+        assert hidden_writes(packet.default)[2] == tuple(
+            (i, a.name) for i, a in enumerate(packet.default._schema.arguments) if a.name in written), reason
+    mean, var = torch.zeros(3), torch.ones(3)
+    aten.batch_norm_update_stats(torch.randn(4, 3, 5), mean, var, 0.1)
+    assert not torch.equal(mean, torch.zeros(3)) and not torch.equal(var, torch.ones(3))
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_writes_that_grow_their_output_match_eager(policy):
+    """addbmm_ on a broadcastable self and an out= tensor of the wrong size resize the written
+    tensor in place, as eager does; replay grows its private copy the same way."""
+    def fn(x):
+        s = torch.ones(4, dtype=x.dtype) * x.sum()
+        s.addbmm_(x.exp(), x.transpose(1, 2))
+        out = torch.empty(0, dtype=x.dtype)
+        with torch.no_grad():
+            torch.mul(x.detach().exp(), 2, out=out)
+        return s.sin().sum() + (out.cos() * x).sum()
+
+    x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(fn(x), x)[0]
+    assert torch.equal(torch.autograd.grad(tracedac.checkpoint(fn, policy=policy)(x), x)[0], expected)
+
+
+def test_a_sparse_result_is_refused_with_a_checkpoint_error():
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(tracedac.CheckpointError, match=r"sparse_coo .*returned by aten._to_sparse.*outside"):
+        tracedac.checkpoint(lambda x: (x * 2).to_sparse().to_dense().sum())(x)

@@ -447,6 +447,8 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
                         env.drop(gid)  # nothing later reads it: it lives on in what was captured
                 for gid in node.writes:
                     env.state[gid] += 1
+                    if groups[gid].grows:
+                        env._forget_views(gid)  # the written view may have been resized
                     if gid in captures:
                         capture(gid)
                 for m in reads[i]:

@@ -169,18 +169,21 @@ def user_source() -> str | None:
     return None
 
 
-def _check_replayable(t: torch.Tensor) -> None:
+def _check_replayable(t: torch.Tensor, producer=None) -> None:
+    """Refuse what tracedac cannot replay: ``t`` reached an op, or ``producer`` returned it."""
+    where = "reached an op" if producer is None else f"was returned by {producer}"
     if type(t) not in _PLAIN_TYPES and type(t).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl:
         raise CheckpointError(
-            f"a {type(t).__name__} (a tensor subclass) reached an op inside a checkpointed "
+            f"a {type(t).__name__} (a tensor subclass) {where} inside a checkpointed "
             "region; tracedac records plain tensors only and could not replay it. Checkpoint "
             "a region that does not take it, or unwrap it before the region."
         )
     if t.layout is not torch.strided or (t.is_complex() and (t.is_conj() or t.is_neg())):
         raise CheckpointError(
-            f"a tensor with layout {t.layout} (or a lazy conjugate/negative bit) reached an op "
-            "inside a checkpointed region; tracedac replays strided tensors only. Call "
-            ".to_dense() / .resolve_conj() before the region, or keep the op outside it."
+            f"a tensor with layout {t.layout} (or a lazy conjugate/negative bit) {where} "
+            "inside a checkpointed region; tracedac records and replays strided tensors on "
+            "storages only. Call .to_dense() / .resolve_conj() before the region, or do the "
+            "sparse (or other non-strided) work outside it."
         )
 
 
@@ -402,23 +405,34 @@ class TracerMode(TorchDispatchMode):
 
         for t, g, cdata, nbytes in written:
             storage = t.untyped_storage()
-            if storage._cdata != cdata or storage.nbytes() != nbytes:
+            if storage._cdata != cdata or (storage.nbytes() != nbytes and info.rebinds):
                 raise CheckpointError(
                     f"{func} replaced or resized the storage of a tensor inside a checkpointed "
                     "region; tracedac replays ops on storages it can rebuild and cannot replay "
                     "that. Move it outside the region (or allocate the tensor at its final size)."
                 )
+            if storage.nbytes() != nbytes:
+                # A write that grows its output in place (an out= argument of the wrong size,
+                # addbmm_ on a broadcastable self): replay grows its private copy the same way.
+                g.nbytes = storage.nbytes()
+                g.grows = True
         if info.rebinds:
             self.recent = {}  # geometry changed in place: cached metas are stale
             return out  # and nothing to replay: geometry is read off tensors at every use
 
-        if isinstance(out, _Tensor):  # most ops: one tensor out
-            flat = (out,)
-            created = () if _address(out) in storages else ((0, self._new_group(out)),)
-        else:
-            flat = flatten_outputs(out)
-            created = [(i, self._new_group(o)) for i, o in enumerate(flat)
-                       if isinstance(o, _Tensor) and _address(o) not in storages]
+        try:
+            if isinstance(out, _Tensor):  # most ops: one tensor out
+                flat = (out,)
+                created = () if _address(out) in storages else ((0, self._new_group(out)),)
+            else:
+                flat = flatten_outputs(out)
+                created = [(i, self._new_group(o)) for i, o in enumerate(flat)
+                           if isinstance(o, _Tensor) and _address(o) not in storages]
+        except (RuntimeError, NotImplementedError):
+            for o in flatten_outputs(out):
+                if isinstance(o, _Tensor):
+                    _check_replayable(o, func)
+            raise
         if not created and not written:
             return out  # a view or a read: nothing to replay, nothing to keep
 
