@@ -151,7 +151,7 @@ class _Forgotten(CheckpointError):
         )
 
 
-def _unavailable(graph: RegionGraph, g: Group) -> CheckpointError:
+def _unavailable(graph: RegionGraph, g: Group) -> Exception:
     if g.external is not None:
         return CheckpointError(
             f"{graph.namer(g.external)}, which region {graph.name!r} read, was modified in place "
@@ -160,7 +160,7 @@ def _unavailable(graph: RegionGraph, g: Group) -> CheckpointError:
             "the update after backward, or keep what the region computed from it with a policy "
             "(tracedac.name(...) on the result and policies.save_names(...))."
         )
-    return CheckpointError(
+    return AssertionError(  # region exit plans every source replay may need: a bug of ours
         f"a storage of {human_bytes(g.nbytes)} that region {graph.name!r} read is needed to "
         "replay its ops but was not kept; this is a tracedac bug, please report it with the "
         "region's code."
@@ -303,7 +303,7 @@ class _Env:
     def view(self, m: TensorMeta) -> torch.Tensor:
         gid = m.group
         if self.state[gid] != m.state:
-            raise CheckpointError(
+            raise AssertionError(
                 f"internal error: replay wanted storage {gid} in state {m.state} but it is "
                 f"in state {self.state[gid]}; please report this with the region's code"
             )
@@ -359,7 +359,7 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
     if p is None or not p.still_valid(graph, wanted):
         try:
             p = graph.plan = plan(graph, wanted)
-        except CheckpointError:
+        except (CheckpointError, AssertionError):  # a source modified after the forward explains both
             changed = [s for s in slots if s.changed]
             if not changed:
                 raise
@@ -460,7 +460,7 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
     missing = [s for s in slots if s.value is None]
     if missing:
         m = missing[0].meta
-        raise CheckpointError(
+        raise AssertionError(
             f"internal error: replay did not rebuild storage {m.group} in state {m.state} "
             f"for region {graph.name!r}; please report this with the region's code"
         )
