@@ -68,9 +68,16 @@ NORMS = {
     "bn2d_no_affine": (lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, affine=False)), (2, 3, 4, 4)),
     "bn3d": (lambda: nn.Sequential(nn.Conv3d(2, 3, 2), nn.BatchNorm3d(3), nn.ReLU()), (2, 2, 4, 4, 4)),
     "bn_twice": (lambda: _Twice(nn.BatchNorm1d(4)), (6, 4)),
+    "bn2d_channels_last": (lambda: nn.Sequential(_ChannelsLast(), nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), (2, 3, 5, 5)),
+    "bn_eval": (lambda: nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6).eval(), nn.ReLU()), (8, 5)),
     "instance_tracked": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True, affine=True)), (2, 3, 6, 6)),
     "instance1d_tracked": (lambda: nn.Sequential(nn.InstanceNorm1d(3, track_running_stats=True), nn.Tanh()), (2, 3, 9)),
 }
+
+
+class _ChannelsLast(nn.Module):
+    def forward(self, x):
+        return x.contiguous(memory_format=torch.channels_last)
 
 
 class _Twice(nn.Module):
