@@ -7,11 +7,13 @@ Outputs, gradients of every input and the final value of every tensor argument (
 write one: ``native_batch_norm``'s running statistics) must equal eager's, bitwise; a
 refusal must be a ``CheckpointError`` for an op listed in docs/ops.md with its reason.
 
-Default: the first sample of each op. ``TRACEDAC_OPINFO_ALL=1`` runs every sample.
+Default: the first sample of each op. ``TRACEDAC_OPINFO_SAMPLES=4`` runs the first four,
+``TRACEDAC_OPINFO_ALL=1`` every sample (hours: some ops have hundreds).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from pathlib import Path
@@ -30,6 +32,8 @@ POLICIES = [
     policies.memory_budget(0.3), policies.min_cut(),
 ]
 ALL_SAMPLES = os.environ.get("TRACEDAC_OPINFO_ALL", "") not in ("", "0")
+# how many samples of each op: TRACEDAC_OPINFO_SAMPLES=4 (ALL: every one; some ops have hundreds)
+SAMPLES = None if ALL_SAMPLES else int(os.environ.get("TRACEDAC_OPINFO_SAMPLES", "1"))
 OPS = [op for op in common_methods_invocations.op_db
        if op.supports_autograd and torch.float64 in op.supported_dtypes("cpu")]
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
@@ -43,9 +47,7 @@ def documented_refusals() -> dict[str, str]:
 
 def _samples(op):
     samples = op.sample_inputs("cpu", torch.float64, requires_grad=True)
-    if ALL_SAMPLES:
-        return list(samples)
-    return [next(iter(samples))]
+    return list(samples if SAMPLES is None else itertools.islice(samples, SAMPLES))
 
 
 class _Case:
