@@ -10,7 +10,7 @@ import torch
 import tracedac
 from tracedac import CheckpointError, policies
 from tracedac.bench.probe import allocated_bytes
-from tracedac.checkpoint import reporting
+from tracedac.checkpoint import current_region, reporting
 from tracedac.integrations import hf
 from tracedac.planners import plans
 
@@ -159,3 +159,71 @@ def test_options_tracedac_would_not_honour_are_refused_and_point_to_the_document
 def test_enable_refuses_a_model_without_transformers_switch():
     with pytest.raises(CheckpointError, match=r"tracedac.wrap\(model, LayerClass"):
         hf.enable(torch.nn.Linear(2, 2))
+
+
+def test_trainer_with_gradient_checkpointing_trains_with_tracedac_running_each_layer_once(tmp_path):
+    """``TrainingArguments(gradient_checkpointing=True)`` makes the Trainer call the model's
+    ``activation_checkpointing_enable``: tracedac stays (regions recorded, named by layer),
+    Python in each layer runs once per step (torch's checkpoint would count two), and the
+    weights after three steps are those of a run without checkpointing."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    from transformers import Trainer, TrainingArguments
+
+    def train(enable: bool):
+        model = build("llama")
+        counts = [0] * len(model.model.layers)
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.register_forward_pre_hook(lambda m, a, i=i: counts.__setitem__(i, counts[i] + 1))
+        paths = set()
+
+        def recording(node):  # a policy that notes where it was asked: tracedac recorded
+            paths.add(current_region().graph.name)
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        if enable:
+            hf.enable(model, policy=recording)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), gradient_checkpointing=enable,
+            gradient_checkpointing_kwargs={"use_reentrant": False}, max_steps=3, per_device_train_batch_size=2,
+            learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", report_to="none", save_strategy="no",
+            logging_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_drop_last=True)
+        data = [{k: v[0] for k, v in batch(1, 16, seed=s).items()} for s in range(6)]
+        Trainer(model=model, args=args, train_dataset=data).train()
+        return model, counts, paths
+
+    model, counts, paths = train(enable=True)
+    assert isinstance(model.model.layers[0]._gradient_checkpointing_func, hf._Checkpointing)
+    assert counts == [3, 3], "each layer's Python ran once per step"
+    assert paths == {"model.layers.0", "model.layers.1"}
+    plain, plain_counts, _ = train(enable=False)
+    assert plain_counts == [3, 3]
+    for (n, a), b in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b), n
+    assert not any(p.name != "out" for p in tmp_path.iterdir())
+
+
+def test_a_lora_model_trains_its_adapters_as_without_checkpointing_holding_no_more_than_torch():
+    """PEFT's LoRA on a frozen Llama: adapter gradients equal to no checkpointing; after the
+    forward, recompute_all holds no more than torch's checkpoint, and save_all (which keeps
+    what autograd saves) no more than autograd itself: nothing is saved for a frozen weight
+    that autograd would not save."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "v_proj", "up_proj"]))
+    inputs = batch(4, 64)
+    assert 0 < sum(p.requires_grad for p in model.parameters()) < len(list(model.parameters()))
+    model.enable_input_require_grads()  # as transformers' switch does for PEFT models: the same graph
+    plain, plain_held = grads(model, inputs), held_after_forward(model, inputs)
+    model.disable_input_require_grads()
+    model.activation_checkpointing_enable()
+    torch_held = held_after_forward(model, inputs)
+    hf.enable(model)
+    with reporting() as regions:
+        loss(model, inputs)
+    assert [r.graph.name for r in regions] == ["base_model.model.model.layers.0", "base_model.model.model.layers.1"]
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), plain, strict=True))
+    assert held_after_forward(model, inputs) <= torch_held
+    hf.enable(model, policy=policies.save_all())
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), plain, strict=True))
+    assert held_after_forward(model, inputs) <= plain_held
