@@ -82,9 +82,9 @@ class Region:
         self.parent: Region | None = None
         self.owner = None  # the module whose forward this region is, if any
         # weak references to the call's tensor arguments, to name them in messages
-        self.arg_refs = [(f"argument {i}", weakref.ref(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.arg_refs = _arg_refs(enumerate(args), "argument {}")
         if kwargs:
-            self.arg_refs += [(f"argument {k!r}", weakref.ref(a)) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+            self.arg_refs += _arg_refs(kwargs.items(), "argument {!r}")
         # A whole-graph planner decides from a plan cached for this code and these inputs
         # (checked against the structure as it records), or plans when the region ends.
         planner = planner_of(policy)
@@ -284,6 +284,18 @@ class Region:
             for i in range(len(nodes)):
                 if i not in needed:
                     nodes[i] = None  # a reachable group still holds its creator and writers
+
+
+def _arg_refs(items, label: str) -> list:
+    """(label, weak reference) for each tensor argument, and each tensor in a tuple or list
+    argument (Hugging Face passes ``position_embeddings=(cos, sin)``)."""
+    refs = []
+    for k, a in items:
+        if isinstance(a, torch.Tensor):
+            refs.append((label.format(k), weakref.ref(a)))
+        elif isinstance(a, (tuple, list)):
+            refs += [(f"{label.format(k)}[{i}]", weakref.ref(x)) for i, x in enumerate(a) if isinstance(x, torch.Tensor)]
+    return refs
 
 
 def _describe(module_ref, arg_refs, t) -> str:
