@@ -353,28 +353,31 @@ def computation(fn, args, kwargs):
     Unwraps ``functools.partial`` (its arguments join the call's) and bound methods, so a
     new ``partial(layer.forward_fn, layer, mask=m)`` each step (Hugging Face's layers) is
     still the same computation: ``code`` is the function's code object (or the type of a
-    module or callable object), ``module`` the ``nn.Module`` it runs on, if any, which is
-    taken out of ``args``.
+    module or callable object), ``module`` the ``nn.Module`` it runs on, if any: ``fn``
+    itself, or the first argument a partial or bound method supplies, which is then taken
+    out of ``args`` (the caller's own arguments keep their positions, for messages).
     """
     kwargs = dict(kwargs) if kwargs else {}
+    args = tuple(args)
+    own = len(args)  # the caller's arguments are the last ``own``
     while True:
         if isinstance(fn, functools.partial):
-            args = fn.args + tuple(args)
+            args = fn.args + args
             kwargs = {**fn.keywords, **kwargs}
             fn = fn.func
         elif isinstance(fn, types.MethodType):
-            args = (fn.__self__,) + tuple(args)
+            args = (fn.__self__,) + args
             fn = fn.__func__
         else:
             break
     if isinstance(fn, nn.Module):
-        return type(fn), fn, tuple(args), kwargs
+        return type(fn), fn, args, kwargs
     code = getattr(fn, "__code__", None)
     if code is None:
         code = type(fn)  # a builtin or callable object: its type, never the object itself
-    if args and isinstance(args[0], nn.Module):
-        return code, args[0], tuple(args[1:]), kwargs
-    return code, None, tuple(args), kwargs
+    if len(args) > own and isinstance(args[0], nn.Module):
+        return code, args[0], args[1:], kwargs
+    return code, None, args, kwargs
 
 
 # Qualified names of modules in the model they were checkpointed in (tracedac.integrations.hf
