@@ -120,15 +120,15 @@ class GatherLog:
         self.counts = collections.Counter()
         self.refs = []
         self.bytes = 0
-        self._gather, self._all_gather = zops.FlatParam.gather, zops._all_gather
+        self._gather, self._all_gather = zops.FlatGroup.gather, zops._all_gather
         log = self
 
         self.prefetched = self.starts = 0
-        self._start = zops.FlatParam.start
+        self._start = zops.FlatGroup.start
 
-        def start(flat, shard):
+        def start(flat, shard, dtype=None):
             log.starts += 1
-            return log._start(flat, shard)
+            return log._start(flat, shard, dtype)
 
         def gather(flat, shard):
             log.prefetched += flat.pending is not None
@@ -141,7 +141,7 @@ class GatherLog:
             log.bytes += out.numel() * out.element_size()
             return log._all_gather(out, src, **kw)
 
-        zops.FlatParam.gather, zops.FlatParam.start, zops._all_gather = gather, start, all_gather
+        zops.FlatGroup.gather, zops.FlatGroup.start, zops._all_gather = gather, start, all_gather
 
     def alive(self):
         """Gathered buffers still alive. gloo's worker thread lets go of a finished
@@ -154,7 +154,7 @@ class GatherLog:
         return n
 
     def close(self):
-        zops.FlatParam.gather, zops.FlatParam.start, zops._all_gather = self._gather, self._start, self._all_gather
+        zops.FlatGroup.gather, zops.FlatGroup.start, zops._all_gather = self._gather, self._start, self._all_gather
 
 
 def memory(rank, world):
@@ -177,24 +177,16 @@ def memory(rank, world):
         finally:
             log.close()
         # how many units gather each group: its owner, and units borrowing a shared parameter
-        users = collections.Counter(f.key for u in z.units for f in u.flats)
+        users = collections.Counter(g.key for u in z.all_units for g in u.groups)
         out[where] = dict(alive=alive_after_forward, forward=forward, backward=backward, users=dict(users),
                           live=len(zops._LIVE), starts=log.starts, prefetched=log.prefetched,
-                          grads=all(f.shard.grad is not None for f in z.flats if f.shard.requires_grad))
+                          grads=all(p.grad is not None for p in m.parameters() if p.requires_grad))
     return out
 
 
 def full_grads(m) -> torch.Tensor:
-    """The gradient of every trainable parameter, all-gathered, in state_dict order, flat."""
-    grads = {}
-    for f in m._tracedac_zero.flats:
-        if f.shard.grad is None:
-            continue
-        full = torch.empty(f.world * f.shard_numel)
-        zops._all_gather(full, f.shard.grad)
-        for fqns, offset, shape in f.params:
-            grads[fqns[0]] = full[offset:offset + torch.Size(shape).numel()]
-    return torch.cat([grads[k] for k in sorted(grads)])
+    """The gradient of every trainable parameter, full (DTensor ``full_tensor``), by name, flat."""
+    return torch.cat([p.grad.full_tensor().flatten() for _, p in sorted(m.named_parameters()) if p.grad is not None])
 
 
 def flat_grads(m) -> torch.Tensor:
@@ -240,17 +232,17 @@ def state_dicts(rank, world, tmp):
     zero.load_full_state_dict(fresh, full)
     out["full_roundtrip"] = max_diff(zero.full_state_dict(fresh), full)
 
-    dcp.save(zero.sharded_state_dict(m), checkpoint_id=tmp)
+    dcp.save(m.state_dict(), checkpoint_id=tmp)  # the model's own DTensors: DCP as is
     other = zero.shard(model(seed=2))
-    sd = zero.sharded_state_dict(other)
+    sd = other.state_dict()
     dcp.load(sd, checkpoint_id=tmp)
-    zero.load_sharded_state_dict(other, sd)
+    other.load_state_dict(sd)
     out["dcp_roundtrip"] = max_diff(zero.full_state_dict(other), full)
     # the loaded model trains on exactly as the saved one
     train(m, rank, world, steps=1)
     train(other, rank, world, steps=1)
     out["after_step"] = max_diff(zero.full_state_dict(other), zero.full_state_dict(m))
-    n_shard = sum(p.numel() for p in m.parameters())
+    n_shard = sum(p.to_local().numel() for p in m.parameters())
     out["numel"] = (n_shard, sum(p.numel() for p in {id(p): p for p in model().parameters()}.values()))
     out["saved"] = full  # what the DCP checkpoint in tmp holds, for a load on another world size
     return out
