@@ -10,6 +10,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import tracedac
 import tracedac.zero as zero
@@ -28,25 +29,30 @@ class Block(nn.Module):
         self.odd = nn.Parameter(torch.randn(7) * 0.1)  # 7 elements: divides by no world size > 1
         self.frozen = nn.Parameter(torch.randn(d) * 0.1, requires_grad=False)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.checkpoint_lin1 = False  # torch.utils.checkpoint around lin1, inside the unit
 
     def forward(self, x):  # [B, D]
         self.calls.add_(1)  # a side effect (an MoE router's counter): once per step
-        h = self.lin2(F.gelu(self.lin1(self.norm(x))))
+        h = self.norm(x)
+        h = checkpoint(self.lin1, h, use_reentrant=False) if self.checkpoint_lin1 else self.lin1(h)
+        h = self.lin2(F.gelu(h))
         return x + h.float() * (1 + self.odd.sum()) + self.frozen
 
 
 class Model(nn.Module):
-    def __init__(self, d=D, n=3):
+    def __init__(self, d=D, n=3, tie=True):
         super().__init__()
         self.embed = nn.Linear(d, d)
         self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-        self.blocks[1].lin2.weight = self.blocks[0].lin2.weight  # shared between two units
+        if tie:
+            self.blocks[1].lin2.weight = self.blocks[0].lin2.weight  # shared between two units
         self.head = nn.Linear(d, 1)
+        self.checkpoint_blocks = False  # torch.utils.checkpoint around each block (a unit)
 
     def forward(self, x):
         h = self.embed(x)
         for b in self.blocks:
-            h = b(h)
+            h = checkpoint(b, h, use_reentrant=False) if self.checkpoint_blocks else b(h)
         return self.head(h).float().squeeze(-1)
 
 
@@ -270,7 +276,7 @@ def dead_rank(rank, world):
     return time.monotonic() - start, None
 
 
-def several(rank, world, parts):
+def several(rank, world, parts, where=None):
     """Run several of the workers above in one spawn (starting a rank costs seconds):
     ``parts`` is ``[(name, args)]``; returns ``{name: ("ok", result) or ("error", traceback)}``."""
     import traceback
@@ -278,7 +284,7 @@ def several(rank, world, parts):
     out = {}
     for name, args in parts:
         try:
-            out[name] = ("ok", globals()[name](rank, world, *args))
+            out[name] = ("ok", (where or globals())[name](rank, world, *args))
         except Exception:
             out[name] = ("error", traceback.format_exc())
     return out

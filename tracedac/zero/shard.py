@@ -80,27 +80,37 @@ class Unit:
         self.state: Prefetch | None = None  # the root unit's only: its forward starts a new order of gathers
 
     def pre(self, module, args):
+        if self.state is not None:
+            self.state.begin(backward=False)  # a new forward: its gathers count from 0 again
+        self.enter()
+
+    def post(self, module, args, output):
+        self.exit()
+
+    def enter(self) -> None:
+        """Gather the unit's groups and shadow each parameter attribute with its full view."""
         if any(g.summoned for g in self.groups):
             raise ZeroError(
                 f"forward of {self.name or 'the model'} inside tracedac.zero.full_parameters(): the "
                 "full parameters are plain tensors there and would not be gathered or reduced. "
                 "Run forward outside the with block."
             )
-        if self.state is not None:
-            self.state.begin(backward=False)  # a new forward: its gathers count from 0 again
         gathered = [Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key)) for g in self.groups]
         for s in self.slots:
             g = gathered[s.group]
             s.module.__dict__[s.attr] = g.flat.slices[s.piece].full(g.full, g.flat.world)
         hooks = None
-        if torch.is_grad_enabled() and current_region() is None:
-            # Inside a checkpoint region the region's hooks (innermost wins) already turn
-            # the gathered weights into handles on the recorded gather node.
+        if (torch.is_grad_enabled() and current_region() is None
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
+            # Another pair is active: a tracedac region (it turns gathered weights into
+            # handles on its recorded gather node) or torch.utils.checkpoint (it saves
+            # nothing and re-runs the forward, which gathers again). Innermost wins, so
+            # pushing ours would take their saved tensors from them.
             hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             hooks.__enter__()
         self.active.append((gathered, hooks))
 
-    def post(self, module, args, output):
+    def exit(self) -> None:
         if not self.active:
             return
         gathered, hooks = self.active.pop()
@@ -110,6 +120,25 @@ class Unit:
             s.module.__dict__.pop(s.attr, None)
         for g in gathered:
             torch.ops.tracedac.release(g.full, g.flat.key)
+
+
+class _Lazy:
+    """A module inside a unit, run while its unit is not (``torch.utils.checkpoint`` re-running
+    it in backward, or a direct call): gathers the unit around this module's forward."""
+
+    def __init__(self, unit: Unit):
+        self.unit = unit
+        self.entered: list = []
+
+    def pre(self, module, args):
+        lazy = not self.unit.active
+        if lazy:
+            self.unit.enter()
+        self.entered.append(lazy)
+
+    def post(self, module, args, output):
+        if self.entered and self.entered.pop():
+            self.unit.exit()
 
 
 def _pack(t: torch.Tensor):
@@ -195,7 +224,9 @@ class ZeroModule:
     def _apply(self, fn, recurse=True):
         """``to_empty``, ``.to(device)`` move the flat buffers and rebuild the DTensors over them;
         a dtype change (``.to(dtype)``, ``.half()``) is refused before anything changes."""
-        z = sharded(self)
+        z = self.__dict__.get("_tracedac_zero")
+        root = z is not None
+        z = z or self.__dict__["_tracedac_zero_unit_of"]
         if getattr(_applying, "on", False):
             return super()._apply(fn, recurse)  # an enclosing shard's _apply moves our groups
         groups = z.all_groups
@@ -208,6 +239,11 @@ class ZeroModule:
                     "Pass mixed_precision=MixedPrecision(param_dtype=...) to shard() instead, "
                     "or convert the model before sharding it."
                 )
+        if not root and any(new is not g.local for g, new in zip(groups, moved)):
+            raise ZeroError(
+                f"{type(self).__name__} is a unit of a model sharded by tracedac.zero; move the "
+                f"model shard() was called on ({type(z.module).__name__}), whose shards move together."
+            )
         uses = [(m, attr) for g in groups for s in g.slices for m, attr in s.uses]
         for m, attr in uses:
             m._parameters.pop(attr, None)
@@ -408,6 +444,10 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     for unit in active:
         unit.module.register_forward_pre_hook(unit.pre)
         unit.module.register_forward_hook(unit.post, always_call=True)
+        for m in {id(s.module): s.module for s in unit.slots if s.module is not unit.module}.values():
+            lazy = _Lazy(unit)
+            m.register_forward_pre_hook(lazy.pre)
+            m.register_forward_hook(lazy.post, always_call=True)
     mp = mixed_precision
     if mp is not None:
         autocast = _Autocast(device.type, mp.param_dtype)
@@ -418,6 +458,10 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     z = Sharded(module, group, active, groups, mp, mesh, state, children)
     for child in children:
         z.adopt(child)
+    for unit in active:  # a unit's .to(dtype) / .half() must raise at the call too
+        if unit.module is not module:
+            _as_zero_module(unit.module)
+            unit.module.__dict__["_tracedac_zero_unit_of"] = z
     _as_zero_module(module)
     module.__dict__["_tracedac_zero"] = z
     return module
