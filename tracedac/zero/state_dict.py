@@ -114,7 +114,7 @@ def save_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
     the model's own keys, each rank writing its shards. A collective."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id)
+    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id, process_group=sharded(model).group)
 
 
 def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> None:
@@ -127,7 +127,7 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
 
     state = _state(model, optimizer)
     _check_against(dcp.FileSystemReader(checkpoint_id).read_metadata(), state, checkpoint_id)
-    dcp.load(state, checkpoint_id=checkpoint_id)
+    dcp.load(state, checkpoint_id=checkpoint_id, process_group=sharded(model).group)
     set_state_dict(model, () if optimizer is None else optimizer, model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))
 
