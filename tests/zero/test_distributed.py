@@ -30,7 +30,7 @@ def _part(two_ranks, name):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("dcp"))
-    parts = [("mismatched", ()), ("equivalence", (VARIANTS,)), ("memory", ()), ("mixed", ()), ("state_dicts", (tmp,))]
+    parts = [("mismatched", ()), ("diverge", ()), ("equivalence", (VARIANTS,)), ("memory", ()), ("mixed", ()), ("state_dicts", (tmp,))]
     results = run_ranks(w.several, 2, parts, timeout=240)
     return results, tmp
 
@@ -117,6 +117,14 @@ def test_a_dcp_checkpoint_saved_by_two_ranks_loads_into_one(two_ranks, world1):
 def test_ranks_with_different_models_are_refused_at_shard_time_naming_the_parameter(two_ranks):
     for message in _part(two_ranks, "mismatched"):
         assert message is not None and "embed.weight" in message and "(16, 16)" in message and "(20, 20)" in message
+
+
+def test_ranks_that_run_different_units_all_raise_at_once_instead_of_exchanging_wrong_values(two_ranks):
+    """Blocks 1 and 2 have the same sizes: without the order check the ranks would pair
+    their gathers silently; with other sizes gloo would abort the process."""
+    for rank, (elapsed, message) in enumerate(_part(two_ranks, "diverge")):
+        assert message is not None and "blocks.1" in message and "blocks.2" in message, message
+        assert elapsed < 10, elapsed  # at once, not after the 20 s timeout
 
 
 def test_a_rank_that_dies_makes_the_others_fail_within_the_timeout():

@@ -48,10 +48,13 @@ class Model(nn.Module):
             self.blocks[1].lin2.weight = self.blocks[0].lin2.weight  # shared between two units
         self.head = nn.Linear(d, 1)
         self.checkpoint_blocks = False  # torch.utils.checkpoint around each block (a unit)
+        self.skip = ()  # indices of blocks this rank's forward skips (ranks that diverge)
 
     def forward(self, x):
         h = self.embed(x)
-        for b in self.blocks:
+        for i, b in enumerate(self.blocks):
+            if i in self.skip:
+                continue
             h = checkpoint(b, h, use_reentrant=False) if self.checkpoint_blocks else b(h)
         return self.head(h).float().squeeze(-1)
 
@@ -271,6 +274,19 @@ def dead_rank(rank, world):
     start = time.monotonic()
     try:
         m(x).sum().backward()
+    except zero.ZeroError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None
+
+
+def diverge(rank, world):
+    """Rank 1 skips block 1: every rank raises ZeroError at the first collective that differs."""
+    m = zero.shard(model(tie=False), timeout=20)
+    m.skip = (1,) if rank == 1 else ()
+    x, y = rank_batch(0, rank, world)
+    start = time.monotonic()
+    try:
+        F.mse_loss(m(x), y).backward()
     except zero.ZeroError as e:
         return time.monotonic() - start, str(e)
     return time.monotonic() - start, None

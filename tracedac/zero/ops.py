@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 _GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> FlatGroup
 _KEYS = itertools.count()
+_WHAT = {"all-gather": 0, "reduce-scatter": 1, "adjoint all-gather": 2}
+_WHAT_NAMES = {v: k for k, v in _WHAT.items()}
 _LIVE: dict = {}  # storage address -> Gathered, for buffers gathered by a forward pre-hook
 
 
@@ -122,6 +125,7 @@ class FlatGroup:
         self.key = f"tracedac_zero_{next(_KEYS)}"  # a str: stays a constant when a compiler traces the op
         _GROUPS[self.key] = self
         self.name = name  # "unit 'layers.0' (trainable bfloat16 parameters)", for messages
+        self.crc = zlib.crc32(name.encode())  # the same on every rank: names the group in order checks
         self.slices = slices
         self.shard_numel = shard_numel
         self.requires_grad = requires_grad
@@ -169,8 +173,34 @@ class FlatGroup:
             "Look at the other ranks' errors first; the timeout is shard(..., timeout=...)."
         )
 
+    def agree(self, what: str) -> None:
+        """Check, before a collective, that every rank is about to run this one.
+
+        Ranks that took different branches would otherwise pair different collectives:
+        silently wrong values when their sizes match, a gloo abort when they do not. A
+        fixed-size all-gather of (collective, size, group name) cannot abort; every rank
+        sees every row, so every rank raises at the same point.
+        """
+        if self.world == 1:
+            return
+        mine = torch.tensor([_WHAT[what], self.shard_numel, self.crc], dtype=torch.int64)
+        rows = torch.empty(self.world, 3, dtype=torch.int64)
+        self.wait(_all_gather(rows.view(-1), mine, group=self.group, async_op=True), f"{what} (order check)")
+        if bool((rows == mine).all()):
+            return
+        r = next(r for r in range(self.world) if not bool((rows[r] == mine).all()))
+        kind, _, crc = rows[r].tolist()
+        theirs = next((g.name for g in list(_GROUPS.values()) if g.crc == crc), "a group this rank does not know")
+        raise ZeroError(
+            f"rank {self.rank} is at the {what} of {self.name} but rank {r} is at the "
+            f"{_WHAT_NAMES.get(kind, 'unknown collective')} of {theirs}: the ranks run different "
+            "units (a branch taken on some ranks only, a unit skipped, a different number of "
+            "forwards). Every rank must run the same units in the same order; nothing was exchanged."
+        )
+
     def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> _Pending:
         """Start the all-gather of ``shard`` in the travel dtype (or ``dtype``), asynchronously."""
+        self.agree("all-gather")
         dtype = self.dtype if dtype is None else dtype
         if dtype == shard.dtype:
             src = shard.detach()  # no cast: gather straight from the shard
@@ -205,6 +235,7 @@ class FlatGroup:
             self.state.inflight.append(nxt)
 
     def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        self.agree("reduce-scatter")
         full = to_rank_major(grad.to(self.reduce_dtype), self.slices, self.world)
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
         self.wait(_reduce_scatter(out, full, group=self.group, async_op=True), "reduce-scatter")
@@ -301,6 +332,7 @@ def _reduce_scatter_setup(ctx, inputs, output):
 def _reduce_scatter_backward(ctx, grad):
     """The adjoint of sum-then-divide: every rank's part, all-gathered, divided by world."""
     g = group_of(ctx.flat)
+    g.agree("adjoint all-gather")
     out = grad.new_empty(g.world * g.shard_numel)
     g.wait(_all_gather(out, grad.contiguous(), group=g.group, async_op=True), "all-gather (reduce-scatter backward)")
     return to_param_major(out.div_(g.world), g.slices, g.world).to(ctx.dtype), None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -189,11 +190,14 @@ class Sharded:
     def all_units(self) -> list:
         return [u for c in self.children for u in c.all_units] + self.units
 
-    def adopt(self, child: Sharded) -> None:
-        """Run ``child``'s gathers in this model's order of gathers (one prefetch chain)."""
+    def adopt(self, child: Sharded, prefix: str) -> None:
+        """Run ``child``'s gathers in this model's order of gathers (one prefetch chain); name
+        its groups from this model (``prefix``: the child's qualified name here)."""
         child.parent = self
         for g in child.all_groups:
             g.state = self.state
+            g.name = g.name.replace("unit '", f"unit '{prefix}.", 1).replace(".<root>'", "'", 1)
+            g.crc = zlib.crc32(g.name.encode())
         for u in child.all_units:
             u.state = None
 
@@ -456,8 +460,9 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
             m.register_forward_hook(autocast.post, always_call=True)
     groups = [g for u in units_by_name.values() for g in u.own]
     z = Sharded(module, group, active, groups, mp, mesh, state, children)
+    names = {id(m): name for name, m in module.named_modules()}
     for child in children:
-        z.adopt(child)
+        z.adopt(child, names[id(child.module)])
     for unit in active:  # a unit's .to(dtype) / .half() must raise at the call too
         if unit.module is not module:
             _as_zero_module(unit.module)
