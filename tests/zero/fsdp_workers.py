@@ -247,3 +247,49 @@ def dtype_change(rank, world):
 
 def parity(rank, world, names):
     return w.several(rank, world, [(n, ()) for n in names], where=globals())
+
+
+def llama(rank, world):
+    """A transformers Llama (tiny config) built on meta, sharded per decoder layer then whole,
+    loaded from rank 0's full state dict by broadcast, 3 AdamW steps with two parameter
+    groups: losses equal the unsharded model's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         attn_implementation="eager")
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(config)
+    sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    with torch.device("meta"):
+        m = LlamaForCausalLM(config)
+    for layer in m.model.layers:
+        zero.shard(layer)
+    zero.shard(m)
+    m.to_empty(device="cpu")
+    set_model_state_dict(m, sd if rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():  # non-persistent buffers (rotary inv_freq) are in no state dict: initialize
+        for name, buf in ref.named_buffers():
+            m.get_buffer(name).copy_(buf)
+    tokens = torch.randint(0, 64, (3, 4, 8), generator=torch.Generator().manual_seed(1))  # [steps, B, T]
+
+    def train(model, rows):
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+        rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0,
+                                                                            "lr": 5e-3}], lr=1e-2)
+        losses = []
+        for step in range(3):
+            ids = tokens[step, rows]
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(global_loss(loss, world if model is m else 1))
+        return losses
+
+    per = 4 // world
+    return dict(losses=train(m, slice(rank * per, (rank + 1) * per)), ref=train(ref, slice(0, 4)),
+                names=[n for n, _ in m.named_parameters()] == [n for n, _ in ref.named_parameters()])

@@ -11,7 +11,7 @@ import pytest
 from . import fsdp_workers as fw
 from .spawn import run_ranks
 
-ALL = ("nesting", "outside", "torch_checkpoint", "no_sync", "meta_init", "dtype_change")
+ALL = ("nesting", "outside", "torch_checkpoint", "no_sync", "meta_init", "dtype_change", "llama")
 WORLDS = {1: ALL, 2: ALL, 3: ("nesting", "outside", "meta_init")}
 
 
@@ -100,3 +100,10 @@ def test_changing_the_dtype_after_sharding_raises_at_the_call_and_changes_nothin
         assert all(e is not None and "MixedPrecision" in e for e in r["errors"]), r["errors"]
         assert r["unchanged"] == 0.0
         assert len(r["losses"]) == 1
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_transformers_llama_built_on_meta_sharded_per_layer_trains_as_unsharded(ranks, world):
+    for r in _part(ranks, world, "llama"):
+        assert r["names"]
+        _close(r["losses"], r["ref"])
