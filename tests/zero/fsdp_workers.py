@@ -137,16 +137,26 @@ class AliveBytes(TorchDispatchMode):
 def torch_checkpoint(rank, world):
     """torch.utils.checkpoint inside a unit (around a Linear) and around units (whole blocks):
     gradients equal the unsharded model's; held bytes after forward drop; backward re-gathers."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def wrap_blocks(m):  # FSDP2's recipe: checkpoint_wrapper around each block
+        for i, b in enumerate(m.blocks):
+            m.blocks[i] = checkpoint_wrapper(b)
+
     out = {}
-    for where in ("none", "inside", "around"):
+    for where in ("none", "inside", "around", "wrapper-before", "wrapper-after"):
         results = []
         for sharded in (False, True):
             m = w.model()
             m.checkpoint_blocks = where == "around"
             for b in m.blocks:
                 b.checkpoint_lin1 = where == "inside"
+            if where == "wrapper-before" or (where == "wrapper-after" and not sharded):
+                wrap_blocks(m)
             if sharded:
                 zero.shard(m)
+                if where == "wrapper-after":
+                    wrap_blocks(m)
             x, y = w.rank_batch(0, rank, world) if sharded else w.data(0)
             log = w.GatherLog() if sharded else None
             mode = AliveBytes()

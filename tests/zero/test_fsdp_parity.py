@@ -68,11 +68,13 @@ def test_parameters_outside_forward_are_dtensor_shards_and_full_parameters_is_wr
 @pytest.mark.parametrize("world", [1, 2])
 def test_torch_checkpoint_inside_and_around_units_gives_the_gradients_and_backward_gathers_again(ranks, world):
     for r in _part(ranks, world, "torch_checkpoint"):
-        for where in ("none", "inside", "around"):
+        for where in ("none", "inside", "around", "wrapper-before", "wrapper-after"):
             assert r[where]["grad_diff"] < 1e-5, (where, r)
-        # around whole units: the blocks' activations are not held, gathers run again in backward
-        assert r["around"]["held"] < 0.5 * r["none"]["held"], r
-        assert r["around"]["backward"] >= r["around"]["forward"] - 3, r  # all but the 3 frozen groups
+        # around whole units (in forward, or checkpoint_wrapper before or after shard): the
+        # blocks' activations are not held, gathers run again in backward
+        for where in ("around", "wrapper-before", "wrapper-after"):
+            assert r[where]["held"] < 0.5 * r["none"]["held"], (where, r)
+            assert r[where]["backward"] >= r[where]["forward"] - 3, (where, r)  # all but the 3 frozen groups
         # inside a unit: re-running the Linear in backward gathers its unit again
         assert r["inside"]["backward"] > r["none"]["backward"], r
 
