@@ -103,10 +103,10 @@ class Unit:
         hooks = None
         if (torch.is_grad_enabled() and current_region() is None
                 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
-            # Another pair is active: a tracedac region (it turns gathered weights into
-            # handles on its recorded gather node) or torch.utils.checkpoint (it saves
-            # nothing and re-runs the forward, which gathers again). Innermost wins, so
-            # pushing ours would take their saved tensors from them.
+            # Only when no other pair is active. A tracedac region turns gathered weights
+            # into handles on its recorded gather node; torch.utils.checkpoint saves nothing
+            # and re-runs the forward, which gathers again. Innermost wins, so pushing ours
+            # would take their saved tensors from them.
             hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             hooks.__enter__()
         self.active.append((gathered, hooks))
