@@ -149,7 +149,7 @@ class Region:
                 # rebuilt from the input's storage rather than pinned with its autograd node;
                 # an input an enclosing region computed (or a REBUILDERS owner can rebuild),
                 # through that one's handle.
-                return Slot(self.graph, meta)
+                return self.tracer.packed(Slot(self.graph, meta), t)
             # An input as it came in: kept as eager keeps it. If the region writes it later,
             # region exit plans its replay from the copy taken before the write.
             slot = Slot(self.graph, meta, t, exact=True)
@@ -159,9 +159,9 @@ class Region:
             if g.held is None:
                 g.held = slot.tensor  # replay of what reads it starts from it
         else:
-            return Slot(self.graph, meta)
+            return self.tracer.packed(Slot(self.graph, meta), t)
         self.kept.append(slot)
-        return slot
+        return self.tracer.packed(slot, t)
 
     def can_rebuild(self, t: torch.Tensor) -> bool:
         """Whether this region (or one around it) computed ``t`` and could replay it."""
@@ -206,6 +206,7 @@ class Region:
     def _finish(self) -> None:
         """Plan replay for every handle, then let go of everything the plan does not use."""
         graph = self.graph
+        self.tracer.settle_packed()
         for g, t in self.raw_held:
             if g.held is t:
                 self.alias(g, t)
