@@ -15,12 +15,12 @@ import weakref
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy
 
 from .errors import CheckpointError
 from .graph import RegionGraph
 from .planners import Planning, input_signature, planner_of
-from .policies import RECOMPUTE_OPS, check_policy, decision, is_save, recompute_all
+from .decisions import is_save, resolve
+from .policies import check_policy, recompute_all
 from .replay import Slot, plan
 from .trace import TracerMode, track_modules
 
@@ -103,9 +103,7 @@ class Region:
     # -- recording --
     def decide(self, node) -> bool:
         """Decide ``node`` (``node.decision``); whether to hold its result until the region ends."""
-        d = self.constant or decision(self.policy, node)
-        if d is not CheckpointPolicy.MUST_SAVE and id(node.op) in RECOMPUTE_OPS:
-            d = CheckpointPolicy.MUST_RECOMPUTE  # a ZeRO-3 gather: only MUST_SAVE keeps it
+        d = resolve(self.policy, node, self.constant)
         if self.planning is not None:
             return self.planning.decide(node, d)
         node.decision = d
