@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 import threading
 import weakref
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
+from .compile import name_op, traced_region
 from .errors import CheckpointError
 from .graph import RegionGraph
 from .planners import Planning, input_signature, planner_of
@@ -27,6 +30,9 @@ from .trace import TracerMode, track_modules
 __all__ = ["checkpoint", "checkpoint_call", "name", "wrap"]
 
 _local = threading.local()
+# Modes under which a region is being traced, not run: its ops are marked, not recorded.
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
 def _stack() -> list:
@@ -327,8 +333,21 @@ def current_region() -> Region | None:
     return stack[-1] if stack else None
 
 
+def tracing(args=(), kwargs=None) -> bool:
+    """Whether a tracer (dynamo, make_fx, export, a fake-tensor mode) is running the region:
+    then no recorder runs and the region's ops are marked instead (``tracedac.compile``)."""
+    if torch.compiler.is_compiling():
+        return True
+    for key in _TRACING_MODES:
+        if torch._C._get_dispatch_mode(key) is not None:
+            return True
+    return any(isinstance(a, _FakeTensor) for a in (*args, *(kwargs or {}).values()))
+
+
 def run_region(fn, args, kwargs, policy, name, *, module=None, module_names=None, report=False):
     """Call ``fn`` once inside a region (or plainly when no gradient is being recorded)."""
+    if tracing(args, kwargs):
+        return traced_region(fn, args, kwargs, policy, name)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     code = getattr(getattr(fn, "__func__", fn), "__code__", None) or fn
@@ -351,8 +370,8 @@ class _ModuleHooks:
         self.handles = ()
 
     def pre(self, module, args):
-        if not torch.is_grad_enabled():
-            return None
+        if not torch.is_grad_enabled() or tracing(args):
+            return None  # traced: the module's forward marks its ops (_traced_forward)
         if self.names is None:
             prefix = f"{self.name}." if self.qualified else ""
             self.names = {id(m): (prefix + n) if n else self.name for n, m in module.named_modules()}
@@ -362,6 +381,8 @@ class _ModuleHooks:
         return None
 
     def post(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return None
         region = current_region()
         if region is None or getattr(region, "owner", None) is not module:
             return None
@@ -387,7 +408,18 @@ def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn
         module.register_forward_hook(hooks.post, always_call=True),
     )
     module._tracedac = hooks
+    if "forward" not in module.__dict__:  # (a forward set on the instance is left alone: eager only)
+        module.forward = types.MethodType(_traced_forward, module)
     return module
+
+
+def _traced_forward(self, *args, **kwargs):
+    """A checkpointed module's forward. Eager, the hooks record it; traced, its ops are marked
+    (a context manager cannot span two hooks under dynamo, so the mark is made here)."""
+    hooks = getattr(self, "_tracedac", None)
+    if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
+        return traced_region(type(self).forward, (self, *args), kwargs, hooks.policy, hooks.name)
+    return type(self).forward(self, *args, **kwargs)
 
 
 # --- public entry points -----------------------------------------------------------------
@@ -513,12 +545,15 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """Label ``tensor`` for policies (``save_names``) and reports; returns ``tensor``.
 
     Inside a region it labels the op that produced the tensor's current value; outside any
-    region it does nothing.
+    region it does nothing. Under ``torch.compile`` (or another tracer) it is an identity op
+    (``tracedac::label``; ``torch.ops.tracedac.name`` would clash with the namespace's own ``name``) that carries the label into the graph.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"name() labels a tensor, got {type(tensor).__name__}")
     if not isinstance(label, str) or not label:
         raise TypeError(f"name() takes a non-empty string label, got {label!r}")
+    if tracing((tensor,)):
+        return name_op(tensor, label)  # an op, so the label reaches the compiled graph
     for region in getattr(_local, "regions", ()):
         if region.tracer is None:
             continue

@@ -28,9 +28,9 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
 class _OpInfo:
-    __slots__ = ("writes", "rebinds", "seeded", "view", "layout_only")
+    __slots__ = ("writes", "rebinds", "seeded", "view", "layout_only", "bare")
 
-    def __init__(self, writes, rebinds, seeded, view, layout_only=False):
+    def __init__(self, writes, rebinds, seeded, view, layout_only=False, bare=False):
         self.writes = writes  # ((position, name), ...) of arguments whose data the op writes
         self.rebinds = rebinds  # arguments whose geometry it rewrites in place
         self.seeded = seeded  # draws from a random generator
@@ -38,6 +38,7 @@ class _OpInfo:
         # is nothing to record; a third of a transformer's ops
         self.view = view
         self.layout_only = layout_only  # reads only the layout of its first argument (_LAYOUT_ONLY)
+        self.bare = bare  # returns no tensor and writes none (prim.device, item): run it, nothing else
 
 
 _aten = torch.ops.aten
@@ -64,11 +65,17 @@ def op_info(func) -> _OpInfo:
     # data. Geometry is read off the tensor at every use, so that is an ordinary view to us,
     # as long as the tensor stays on its storage (set_ and a growing resize_ do not).
     seeded = torch.Tag.nondeterministic_seeded in tags
-    view = bool(getattr(func, "is_view", False)) and not written and not seeded
+    # A pure view, or an op that returns no tensor and writes none (prim.device, sym_size,
+    # item): nothing to replay. (Such ops also reach the mode from C++, where an exception
+    # would abort the process.)
+    returns_tensor = any(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType))
+                         for r in func._schema.returns)
+    bare = not returns_tensor and not written and not seeded
+    view = (bool(getattr(func, "is_view", False)) and not written and not seeded) or bare
     if torch.Tag.inplace_view in tags:
         info = _OpInfo((), written, seeded, False)
     else:
-        info = _OpInfo(written, (), seeded, view, getattr(func, "overloadpacket", None) in _LAYOUT_ONLY)
+        info = _OpInfo(written, (), seeded, view, getattr(func, "overloadpacket", None) in _LAYOUT_ONLY, bare)
     _INFO[id(func)] = (func, info)  # by id: OpOverload.__hash__ is a Python method; func pins the id
     return info
 
@@ -210,6 +217,13 @@ class TracerMode(TorchDispatchMode):
         # The region never compiles inside the mode, so opt out.
         return False
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this, dynamo skips (for good) the code of a compiled function first called
+        # inside a region. Compiled code then runs as compiled: the ops it dispatches are
+        # recorded, and results of fused kernels the mode does not see are held as inputs.
+        return True
+
     def __init__(self, graph: RegionGraph, region):
         super().__init__()
         self.graph = graph
@@ -339,6 +353,8 @@ class TracerMode(TorchDispatchMode):
         info = info[1] if info is not None else op_info(func)
         storages = self.storages
         if info.view:
+            if info.bare:
+                return func._op(*args, **kwargs)
             # Only register an outside storage seen for the first time, so that its group
             # is made from the tensor the program passed (an input, a parameter), not from
             # a view of it; the view's geometry is read off it wherever it is used.
