@@ -18,6 +18,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..graph import Group, Node, RegionGraph, TensorMeta
+from .names import module_path
 
 __all__ = ["RegionView", "build"]
 
@@ -91,7 +92,7 @@ class RegionView:
         kwargs = {k: self._arg(v) for k, v in n.kwargs.items()}
         random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
         node = Node(len(self.graph.nodes), op, args, kwargs, (), (), (), ("compiled",) if random else None,
-                    _module_path(n), n.meta.get("stack_trace"))
+                    module_path(n), n.meta.get("stack_trace"))
         node.labels = labels
         outputs, creates = [], []
         for i, t in enumerate(tensors):
@@ -106,14 +107,6 @@ class RegionView:
         self.values[n] = node.outputs[0] if isinstance(val, torch.Tensor) else node.outputs
         self.graph.nodes.append(node)
         self.fx_of[node.index] = n
-
-
-def _module_path(n) -> str | None:
-    stack = n.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    return path.removeprefix("L['self'].").removeprefix("L['self']")  or None
 
 
 def build(name: str, policy, nodes, labels) -> RegionView:

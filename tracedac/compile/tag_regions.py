@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..decisions import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, is_save, resolve
-from ..planners import closure, planner_of, problem
+from ..planners import MemoryBudget, closure, min_cut_keep, planner_of, problem
 from .entry import ANNOTATION
 from .fx_graph import build
 from .registry import SPECS
@@ -34,6 +34,7 @@ from .registry import SPECS
 __all__ = ["tag_regions"]
 
 LABELS = "tracedac_labels"
+DECISION = "tracedac_decision"  # ours, kept beside "recompute" (which the partitioner may change)
 
 
 def _fold_names(graph: torch.fx.Graph) -> dict:
@@ -90,7 +91,15 @@ def _decide(view, policy, wanted: set) -> None:
     for node in graph.nodes:
         if node.decision is not MUST_SAVE and node.decision is not MUST_RECOMPUTE:
             node.decision = None  # the planner's to decide
-    keep = planner.choose(problem(graph, wanted))
+    p = problem(graph, wanted)
+    if isinstance(planner, MemoryBudget):
+        # A fraction is of what the region keeps compiled without checkpointing. Torch's
+        # partitioner then already replays cheap ops instead of saving them; the least it can
+        # keep without replaying a matmul (a min cut) stands for that, not every value
+        # backward reads (eager's measure, which would let the budget keep more than 0.5x).
+        keep, _, _ = min_cut_keep(graph, wanted)
+        p.full = min(p.full, sum(graph.groups[g].nbytes for g in keep))
+    keep = planner.choose(p)
     for g in graph.groups:
         node = g.creator
         if node is not None and node.decision is None:
@@ -111,7 +120,7 @@ def _tag(view, wanted: set, ac_graph_id: int, nodes: list) -> None:
         d = node.decision
         if is_save(d):
             d = MUST_SAVE if any(o is not None and o.group in read for o in node.outputs) else PREFER_SAVE
-        n.meta["recompute"] = d
+        n.meta["recompute"] = n.meta[DECISION] = d
         n.meta["ac_graph_id"] = ac_graph_id
     for n in nodes:
         if "recompute" not in n.meta or n.meta.get("ac_graph_id") != ac_graph_id:
