@@ -313,7 +313,8 @@ class Problem:
     (the state a kept storage holds); ``wanted`` every (group, state) backward needs;
     ``forced_in``/``forced_out`` what MUST decisions (or a result already let go) settle;
     ``full`` the bytes kept without checkpointing; ``live`` the storages that can still be
-    kept (None: all)."""
+    kept (None: all); ``reserved`` bytes of the budget that go to values kept whatever the
+    plan (under compile: a region's result that the next region reads)."""
 
     graph: RegionGraph
     wanted: set
@@ -322,6 +323,7 @@ class Problem:
     forced_in: list
     forced_out: set
     live: set | None = None
+    reserved: int = 0
 
 
 def problem(graph: RegionGraph, wanted, live=None, held=()) -> Problem:
@@ -374,7 +376,7 @@ class MemoryBudget(Planner):
         return self.budget
 
     def choose(self, p: Problem) -> set[int]:
-        return self.prepare(p)(self.bytes_for(p.full), self)
+        return self.prepare(p)(max(0, self.bytes_for(p.full) - p.reserved), self)
 
     def prepare(self, p: Problem):
         """The knapsack for this problem, priced once: a function of the byte limit (and the

@@ -80,7 +80,31 @@ def _region_runs(graph: torch.fx.Graph, backward: set) -> list[tuple[str, list]]
     return runs
 
 
-def _decide(view, policy, wanted: set) -> None:
+def untagged_saved(gm: torch.fx.GraphModule) -> set | None:
+    """Names of the forward nodes torch's partitioner saves from ``gm`` without any region's
+    tags (what the graph keeps compiled without checkpointing), or None if it cannot tell."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    primals = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    outputs = graph.output_node().args[0]
+    if not primals or len(outputs) <= len(primals):
+        return None
+    for n in graph.nodes:
+        n.meta.pop("recompute", None)
+        n.meta.pop("ac_graph_id", None)
+    try:
+        # the joint graph's outputs: the forward's, then one gradient per primal input
+        _, bw = min_cut_rematerialization_partition(torch.fx.GraphModule(gm, graph), None, compiler="inductor",
+                                                    num_fwd_outputs=len(outputs) - len(primals))
+    except Exception:  # noqa: BLE001 (an estimate: the caller falls back to the min cut)
+        return None
+    return {n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")}
+
+
+def _decide(view, policy, wanted: set, baseline: set | None = None, later: set = frozenset()) -> None:
     """``node.decision`` for every node of the region's graph, as an eager region decides."""
     graph = view.graph
     planner = planner_of(policy)
@@ -93,12 +117,21 @@ def _decide(view, policy, wanted: set) -> None:
             node.decision = None  # the planner's to decide
     p = problem(graph, wanted)
     if isinstance(planner, MemoryBudget):
-        # A fraction is of what the region keeps compiled without checkpointing. Torch's
-        # partitioner then already replays cheap ops instead of saving them; the least it can
-        # keep without replaying a matmul (a min cut) stands for that, not every value
-        # backward reads (eager's measure, which would let the budget keep more than 0.5x).
-        keep, _, _ = min_cut_keep(graph, wanted)
-        p.full = min(p.full, sum(graph.groups[g].nbytes for g in keep))
+        # A fraction is of what the region keeps compiled without checkpointing: torch's
+        # partitioner then already replays some cheap ops instead of saving them, so eager's
+        # measure (every value backward reads) would let the budget keep more than that
+        # fraction. ``baseline``: the region's values the untagged partition saves; without
+        # it, the least that can be kept without replaying a matmul (a min cut) stands in.
+        if baseline is not None:
+            p.full = sum(g.nbytes for g in graph.groups if g.creator is not None
+                         and view.group_fx.get(g.id) is not None and view.group_fx[g.id].name in baseline)
+        else:
+            keep, _, _ = min_cut_keep(graph, wanted)
+            p.full = min(p.full, sum(graph.groups[g].nbytes for g in keep))
+        # What a later region reads of this one the partitioner saves at the boundary: out
+        # of the budget too.
+        p.reserved = sum(g.nbytes for g in graph.groups if g.creator is not None and g.id in view.group_fx
+                         and any(u in later for u in view.group_fx[g.id].users))
     keep = planner.choose(p)
     for g in graph.groups:
         node = g.creator
@@ -140,7 +173,11 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = gm.graph
     labels = _fold_names(graph)
     backward = _backward_nodes(graph)
-    for ac_graph_id, (key, nodes) in enumerate(_region_runs(graph, backward), start=1):
+    runs = _region_runs(graph, backward)
+    budgets = any(isinstance(planner_of(SPECS[key][0]), MemoryBudget) for key, _ in runs if key in SPECS)
+    baseline = untagged_saved(gm) if budgets else None
+    for ac_graph_id, (key, nodes) in enumerate(runs, start=1):
+        later = {n for _, run in runs[ac_graph_id:] for n in run}
         spec = SPECS.get(key)
         if spec is None:
             raise AssertionError(f"joint graph names region {key!r}, which no traced region registered")
@@ -153,7 +190,7 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if any(u in backward for u in n.users):
                 wanted.update((x.group, 0) for x in metas
                               if x is not None and view.graph.groups[x.group].creator is not None)
-        _decide(view, policy, wanted)
+        _decide(view, policy, wanted, baseline, later)
         _tag(view, wanted, ac_graph_id, nodes)
     graph.lint()
     gm.recompile()
