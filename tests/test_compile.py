@@ -270,3 +270,20 @@ def test_inductor_compiles_the_regions_fullgraph_dynamic_with_equal_gradients(re
     passes = inductor_config.joint_custom_pre_pass
     passes = passes if isinstance(passes, (list, tuple)) else [passes]
     assert any(type(p).__name__ == "TagRegions" and p.uuid() for p in passes)  # in inductor's cache key
+
+
+def test_a_checkpointed_module_still_pickles_and_deep_copies_with_its_forward():
+    """checkpoint(module) sets the instance's forward (the compile path's mark); torch.save of
+    the whole module and deepcopy must keep working and stay bound to the copy."""
+    import copy
+    import io
+
+    m = tracedac.checkpoint(Block())
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    clone = copy.deepcopy(m)
+    for other in (loaded, clone):
+        assert other.forward.module is other
+        torch.testing.assert_close(other(X), m(X))

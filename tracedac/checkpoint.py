@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import types
 import threading
 import weakref
 
@@ -409,17 +408,26 @@ def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn
     )
     module._tracedac = hooks
     if "forward" not in module.__dict__:  # (a forward set on the instance is left alone: eager only)
-        module.forward = types.MethodType(_traced_forward, module)
+        module.forward = _TracedForward(module)
     return module
 
 
-def _traced_forward(self, *args, **kwargs):
-    """A checkpointed module's forward. Eager, the hooks record it; traced, its ops are marked
-    (a context manager cannot span two hooks under dynamo, so the mark is made here)."""
-    hooks = getattr(self, "_tracedac", None)
-    if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
-        return traced_region(type(self).forward, (self, *args), kwargs, hooks.policy, hooks.name)
-    return type(self).forward(self, *args, **kwargs)
+class _TracedForward:
+    """A checkpointed module's forward, set on the instance. Eager, the hooks record the call;
+    traced, its ops are marked (a context manager cannot span two hooks under dynamo, so the
+    mark is made here). An object rather than a bound method, so the module still pickles."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        hooks = getattr(module, "_tracedac", None)
+        if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
+            return traced_region(type(module).forward, (module, *args), kwargs, hooks.policy, hooks.name)
+        return type(module).forward(module, *args, **kwargs)
 
 
 # --- public entry points -----------------------------------------------------------------
