@@ -472,3 +472,117 @@ def test_an_exception_in_a_region_leaves_no_mode_or_hooks_behind():
     assert not torch.nn.modules.module._global_forward_pre_hooks
     y = torch.randn(2, requires_grad=True).exp()
     assert y.grad_fn._saved_result is not None  # autograd saves plainly again: no hooks left
+
+
+def test_a_new_partial_of_the_same_layer_each_call_finds_the_plan_made_for_its_class():
+    """Hugging Face's layers call the checkpoint function with a new
+    ``partial(forward, layer, **kwargs)`` each step: the plan is looked up through it (the
+    function's code, the module's class, the inputs), not by the partial object, so two
+    layers of one class plan once and the cache does not grow (it held every partial, and
+    every tensor in it, before)."""
+    from tracedac.planners import plans
+
+    torch.manual_seed(0)
+    layers = [Block(), Block()]
+    policy = policies.memory_budget(0.5)
+    made, entries = plans.made, len(plans.entries)
+    for _ in range(3):
+        for layer in layers:
+            x = torch.randn(2, 8, 32, requires_grad=True)
+            mask = torch.rand(32)
+            out = checkpoint_call(functools.partial(lambda self, h, mask: Block.forward(self, h) * mask, layer, mask=mask),
+                                  x, policy=policy)
+            expected = torch.autograd.grad((layer(x) * mask).sum(), (x, *layer.parameters()))
+            got = torch.autograd.grad(out.sum(), (x, *layer.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert plans.made == made + 1
+    assert len(plans.entries) <= entries + 1
+
+
+def test_layers_of_one_class_differing_in_frozen_weights_keep_a_plan_each():
+    """What a plan keeps depends on what autograd saves, and a frozen weight changes that
+    without changing the ops: the key tells the two layers apart, so neither replaces the
+    other's plan on every call."""
+    from tracedac.planners import plans
+
+    torch.manual_seed(0)
+    frozen, trained = Block(), Block()
+    frozen.requires_grad_(False)
+    model = nn.Sequential(frozen, trained)
+    wrap(model, Block, policy=policies.memory_budget(0.4))
+    made = plans.made
+    for _ in range(3):
+        x = torch.randn(2, 8, 32, requires_grad=True)
+        model(x).sum().backward()
+    assert plans.made == made + 2
+
+
+def test_a_cached_plan_is_not_applied_where_autograd_saved_something_else():
+    """Equal ops, equal inputs, one key, but a frozen weight the region closes over: ``h @ w``
+    saves ``h`` only if ``w`` requires grad. The plan made for a trainable ``w`` keeps
+    ``exp``'s result (within 0.6 of ``h`` and it), which is over 0.6 of what the frozen call
+    saves: the region checks what autograd saved against what the plan was made for, and
+    plans again (measured at the allocator)."""
+    from tracedac.bench.probe import allocated_bytes
+    from tracedac.checkpoint import current_region
+    from tracedac.planners import plans
+
+    regions = []
+    w = torch.randn(256, 256) / 16
+
+    def f(x):
+        regions.append(current_region())
+        return (x.sin() @ w).exp().sum()
+
+    g = checkpoint(f, policy=policies.memory_budget(0.6))
+    x = torch.randn(256, 256, requires_grad=True)
+    w.requires_grad_(True)
+    g(x).backward()
+    made = plans.made
+    w.requires_grad_(False)
+    before = allocated_bytes()
+    out = g(x)
+    held = allocated_bytes() - before
+    assert plans.made == made + 1 and regions[-1].planning.planned_now
+    assert held < 0.6 * 256 * 1024, f"{held} bytes held: the trainable call's plan was applied"
+    x.grad = None
+    out.backward()
+    assert torch.equal(x.grad, torch.autograd.grad(f(x), x)[0])
+
+
+def test_checkpoint_call_names_the_region_for_the_module_it_runs():
+    from tracedac.checkpoint import register_name, reporting, unregister_name
+
+    layer, x = Block(), torch.randn(2, 8, 32, requires_grad=True)
+    with reporting() as regions:
+        checkpoint_call(functools.partial(Block.forward, layer), x)
+        checkpoint_call(layer.__call__, x)
+        register_name(layer, "model.layers.3")
+        checkpoint_call(functools.partial(Block.forward, layer), x)
+    unregister_name(layer)
+    assert [r.graph.name for r in regions] == ["Block", "Block", "model.layers.3"]
+    assert any(n.module_path == "model.layers.3.qkv" for n in regions[-1].graph.nodes)
+
+
+def test_unwrap_removes_every_hook_and_leaves_state_dict_keys_and_a_plain_forward():
+    from tracedac.checkpoint import reporting
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    keys = list(model.state_dict())
+    x = torch.randn(2, 8, 32)
+    expected = model(x)
+    wrap(model, Block, policy=policies.save_matmuls())
+    checkpoint(model[1].fc)  # inside a wrapped block: unwrap finds it too
+    assert tracedac.unwrap(model) is model
+    assert not any(m._forward_pre_hooks or m._forward_hooks or hasattr(m, "_tracedac") for m in model.modules())
+    assert list(model.state_dict()) == keys
+    with reporting() as regions:
+        assert torch.equal(model(x), expected)
+    assert regions == []
+    wrap(model, Block)  # and it can be checkpointed again
+
+    def f(x):
+        return x.sin()
+
+    assert tracedac.unwrap(checkpoint(f)) is f

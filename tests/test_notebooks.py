@@ -19,7 +19,8 @@ def execute(name: str, tmp_path) -> str:
 
 
 def test_every_notebook_is_tested():
-    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == ["01_tour.ipynb", "02_memory_budget.ipynb", "03_compile.ipynb"]
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == ["01_tour.ipynb", "02_memory_budget.ipynb",
+                                                                  "03_compile.ipynb", "05_huggingface.ipynb"]
 
 
 def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twice_under_torch(tmp_path):
@@ -50,3 +51,13 @@ def test_the_compile_notebook_shows_each_policys_partition_side_effects_and_grad
     assert "tokens counted: 128 (true count 128)" in text
     assert "gradients equal to the compiled model without checkpointing: True" in text
 
+
+def test_the_huggingface_notebook_trains_with_tracedac_under_the_trainer(tmp_path):
+    text = execute("05_huggingface.ipynb", tmp_path)
+    assert "kept by memory_budget(0.5)" in text and "model.layers.1.mlp.up_proj" in text
+    assert "regions: ['model.layers.0', 'model.layers.1']" in text
+    assert "tracedac: training loss" in text and "MLP calls per layer in 4 steps: {'0': 4, '1': 4}" in text
+    assert "checkpoint function of layer 0: tracedac.integrations.hf(policy=memory_budget(0.5))" in text
+    assert "torch's checkpoint: training loss" in text and "in 4 steps: {'0': 8, '1': 8}" in text
+    assert "weights after training bitwise equal to the run without checkpointing: True" in text
+    assert "state_dict keys unchanged: True" in text and "checkpointing on: False" in text

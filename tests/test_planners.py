@@ -8,7 +8,7 @@ import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
@@ -84,7 +84,7 @@ def _recorded(program, seed, labels=frozenset()):
     torch.manual_seed(seed)
     x = torch.randn(programs_.SHAPE, requires_grad=True)
     w = (torch.randn(6, 6) / 3).requires_grad_()
-    regions, out = record(programs_.run, (program, x, w, torch.zeros(6), [], labels), {},
+    regions, out = record(programs_.run, (program, x, w, programs_.make_state(seed), labels), {},
                           policies.memory_budget(1.0))
     del out
     (region,) = regions
@@ -101,8 +101,7 @@ small_programs = st.lists(
 @given(program=small_programs, seed=st.integers(0, 2**16), fraction=st.integers(0, 10))
 def test_memory_budget_picks_the_cheapest_replay_of_all_subsets_within_budget(program, seed, fraction):
     p = _recorded(program, seed)
-    if len(p.items) > 11:
-        return  # brute force stays small
+    assume(len(p.items) <= 11)  # brute force stays small
     budget = policies.memory_budget(fraction / 10)
     limit = budget.bytes_for(p.full)
     kept = p.plan(budget)
@@ -125,11 +124,10 @@ def test_memory_budget_picks_the_cheapest_replay_of_all_subsets_within_budget(pr
     # Without in-place writes the model never undercounts what replay really runs for that
     # choice. (A storage written in place and needed in two of its states is rebuilt from its
     # start up to the later one, which no per-item cost can see.)
-    if any(g.mutations for g in groups):
-        return
-    run = closure(p.graph, p.wanted, kept)
-    true_cost = [sum(planners.node_cost(p.graph.nodes[i])[k] for i in run) for k in (0, 1)]
-    assert true_cost[0] <= model(chosen)[0] and true_cost[1] <= model(chosen)[1]
+    if not any(g.mutations for g in groups):
+        run = closure(p.graph, p.wanted, kept)
+        true_cost = [sum(planners.node_cost(p.graph.nodes[i])[k] for i in run) for k in (0, 1)]
+        assert true_cost[0] <= model(chosen)[0] and true_cost[1] <= model(chosen)[1]
 
 
 def _feasible(p, keep, banned_ok):
@@ -146,8 +144,7 @@ def test_min_cut_is_the_max_flow_and_the_least_bytes_that_let_backward_replay(pr
     groups = p.graph.groups
     kept_bytes = sum(groups[g].nbytes for g in keep)
     big = 1 + sum(g.nbytes for g in groups)
-    if value >= big:
-        return  # a matmul result wanted only before an in-place op: it must be replayed
+    assume(value < big)  # else a matmul result wanted only before an in-place op: it must be replayed
     assert kept_bytes == value
     assert _feasible(p, keep, replay_matmuls), "everything backward needs replays from what is kept"
     candidates = [g.id for g in groups if g.creator is not None]

@@ -4,7 +4,7 @@ See README.md for a tour. Everything public is re-exported here; nothing runs at
 """
 
 from . import policies
-from .checkpoint import checkpoint, checkpoint_call, name, wrap
+from .checkpoint import checkpoint, checkpoint_call, name, unwrap, wrap
 from .errors import CheckpointError
 from .inspect import print_saved, saved_report
 from .tradeoff import trade_off
@@ -18,14 +18,16 @@ __all__ = [
     "print_saved",
     "saved_report",
     "trade_off",
+    "unwrap",
     "wrap",
 ]
 
 
 def __getattr__(name: str):
-    # tracedac.zero imports torch.distributed: loaded when first asked for, not at import.
-    if name == "zero":
+    # Loaded when first asked for, not at import: tracedac.zero imports torch.distributed,
+    # and tracedac.integrations serves libraries most users do not have.
+    if name in ("zero", "integrations"):
         import importlib
 
-        return importlib.import_module(".zero", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'tracedac' has no attribute {name!r}")

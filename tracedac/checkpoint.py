@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import types
 import weakref
 
 import torch
@@ -19,14 +20,14 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
 from .compile import name_op, traced_region
 from .errors import CheckpointError
+from .decisions import is_save, resolve
 from .graph import RegionGraph
 from .planners import Planning, input_signature, planner_of
-from .decisions import is_save, resolve
 from .policies import check_policy, recompute_all
 from .replay import Slot, plan
 from .trace import TracerMode, track_modules
 
-__all__ = ["checkpoint", "checkpoint_call", "name", "wrap"]
+__all__ = ["checkpoint", "checkpoint_call", "name", "unwrap", "wrap"]
 
 _local = threading.local()
 # Modes under which a region is being traced, not run: its ops are marked, not recorded.
@@ -71,9 +72,13 @@ class Region:
         self.constant = getattr(policy, "constant", None)  # a policy that never looks at the node
         self.graph = RegionGraph(name, policy)
         self.module = module
-        self.module_names = module_names if module_names is not None else {}
         reporting = getattr(_local, "reporting", None)
         self.report = report or reporting is not None
+        # module paths cost two hooks per module call: only for policies and reports that read them
+        self.tracks_modules = self.report or self.constant is None
+        if callable(module_names):  # a table built on demand
+            module_names = module_names() if self.tracks_modules else None
+        self.module_names = module_names if module_names is not None else {}
         self.handles = [] if self.report else None  # every handle packed, for saved_report
         self.kept: list = []  # handles holding their tensor, until the region ends
         self.raw_held: list = []  # (group, the program's tensor) held until the region ends
@@ -82,19 +87,17 @@ class Region:
         self.parent: Region | None = None
         self.owner = None  # the module whose forward this region is, if any
         # weak references to the call's tensor arguments, to name them in messages
-        self.arg_refs = [(f"argument {i}", weakref.ref(a)) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.arg_refs = _arg_refs(enumerate(args), "argument {}")
         if kwargs:
-            self.arg_refs += [(f"argument {k!r}", weakref.ref(a)) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+            self.arg_refs += _arg_refs(kwargs.items(), "argument {!r}")
         # A whole-graph planner decides from a plan cached for this code and these inputs
         # (checked against the structure as it records), or plans when the region ends.
         planner = planner_of(policy)
         self.planning = None
         self.timing = False
         if planner is not None:
-            self.planning = Planning(planner, None if self.report else _plan_key(policy, code, args, kwargs))
+            self.planning = Planning(planner, None if self.report else _plan_key(policy, code, module, args, kwargs))
             self.timing = getattr(planner, "cost", None) == "time"
-        # module paths cost two hooks per module call: only for policies and reports that read them
-        self.tracks_modules = self.report or self.constant is None
         self.tracer = TracerMode(self.graph, self)
         # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
         # so nothing but the handles keeps the graph alive.
@@ -149,7 +152,7 @@ class Region:
                 # rebuilt from the input's storage rather than pinned with its autograd node;
                 # an input an enclosing region computed (or a REBUILDERS owner can rebuild),
                 # through that one's handle.
-                return Slot(self.graph, meta)
+                return self.tracer.packed(Slot(self.graph, meta), t)
             # An input as it came in: kept as eager keeps it. If the region writes it later,
             # region exit plans its replay from the copy taken before the write.
             slot = Slot(self.graph, meta, t, exact=True)
@@ -159,9 +162,9 @@ class Region:
             if g.held is None:
                 g.held = slot.tensor  # replay of what reads it starts from it
         else:
-            return Slot(self.graph, meta)
+            return self.tracer.packed(Slot(self.graph, meta), t)
         self.kept.append(slot)
-        return slot
+        return self.tracer.packed(slot, t)
 
     def can_rebuild(self, t: torch.Tensor) -> bool:
         """Whether this region (or one around it) computed ``t`` and could replay it."""
@@ -206,6 +209,7 @@ class Region:
     def _finish(self) -> None:
         """Plan replay for every handle, then let go of everything the plan does not use."""
         graph = self.graph
+        self.tracer.settle_packed()
         for g, t in self.raw_held:
             if g.held is t:
                 self.alias(g, t)
@@ -286,6 +290,18 @@ class Region:
                     nodes[i] = None  # a reachable group still holds its creator and writers
 
 
+def _arg_refs(items, label: str) -> list:
+    """(label, weak reference) for each tensor argument, and each tensor in a tuple or list
+    argument (Hugging Face passes ``position_embeddings=(cos, sin)``)."""
+    refs = []
+    for k, a in items:
+        if isinstance(a, torch.Tensor):
+            refs.append((label.format(k), weakref.ref(a)))
+        elif isinstance(a, (tuple, list)):
+            refs += [(f"{label.format(k)}[{i}]", weakref.ref(x)) for i, x in enumerate(a) if isinstance(x, torch.Tensor)]
+    return refs
+
+
 def _describe(module_ref, arg_refs, t) -> str:
     """A name a person can find: an argument, a parameter's or buffer's qualified name, else a shape."""
     shape = f"of shape {list(t.shape)} ({t.dtype})"
@@ -316,15 +332,77 @@ class reporting:
         return False
 
 
-def _plan_key(policy, code, args, kwargs):
-    """What a cached plan is looked up by (None: not cacheable). The structure recorded is
-    checked against the plan node by node, so this only has to find the right candidate."""
-    key = (policy, code, input_signature(args, kwargs))
+def _plan_key(policy, code, module, args, kwargs):
+    """What a cached plan is looked up by (None: not cacheable): the policy, the code run,
+    the module it runs on and the call's inputs. The structure recorded is checked against
+    the plan node by node, and what autograd saved against what the plan was made for
+    (``Planning.finish``), so the key only has to find the right candidate; it names what
+    changes the plan without changing the ops (a frozen parameter is saved by nobody) so
+    that layers of one class that differ there do not take turns replacing each other's plan.
+    It holds no object of the call: a cache entry must not keep a step's tensors alive."""
+    if module is not None:
+        params = tuple(p.requires_grad for p in module.parameters())
+        module = (type(module), module.training, params)
+    key = (policy, code, module, input_signature(args, kwargs))
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+def computation(fn, args, kwargs):
+    """``(code, module, args, kwargs)``: what calling ``fn(*args, **kwargs)`` runs.
+
+    Unwraps ``functools.partial`` (its arguments join the call's) and bound methods, so a
+    new ``partial(layer.forward_fn, layer, mask=m)`` each step (Hugging Face's layers) is
+    still the same computation: ``code`` is the function's code object (or the type of a
+    module or callable object), ``module`` the ``nn.Module`` it runs on, if any: ``fn``
+    itself, or the first argument a partial or bound method supplies, which is then taken
+    out of ``args`` (the caller's own arguments keep their positions, for messages).
+    """
+    kwargs = dict(kwargs) if kwargs else {}
+    args = tuple(args)
+    own = len(args)  # the caller's arguments are the last ``own``
+    while True:
+        if isinstance(fn, functools.partial):
+            args = fn.args + args
+            kwargs = {**fn.keywords, **kwargs}
+            fn = fn.func
+        elif isinstance(fn, types.MethodType):
+            args = (fn.__self__,) + args
+            fn = fn.__func__
+        else:
+            break
+    if isinstance(fn, nn.Module):
+        return type(fn), fn, args, kwargs
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        code = type(fn)  # a builtin or callable object: its type, never the object itself
+    if len(args) > own and isinstance(args[0], nn.Module):
+        return code, args[0], args[1:], kwargs
+    return code, None, args, kwargs
+
+
+# Qualified names of modules in the model they were checkpointed in (tracedac.integrations.hf
+# registers each layer): regions entered through checkpoint_call are named by them.
+_module_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_name(module: nn.Module, qualified: str) -> None:
+    """Name the regions ``module`` runs in (``model.layers.3``) when entered by checkpoint_call."""
+    _module_names[module] = qualified
+
+
+def unregister_name(module: nn.Module) -> None:
+    _module_names.pop(module, None)
+
+
+def _module_table(module: nn.Module, name: str, qualified: bool):
+    """A builder of ``id(submodule) -> name`` under ``module`` named ``name`` (paths below it
+    start with ``name.`` when that is a qualified name, as ``wrap`` names them)."""
+    prefix = f"{name}." if qualified else ""
+    return lambda: {id(m): prefix + n if n else name for n, m in module.named_modules()}
 
 
 def current_region() -> Region | None:
@@ -343,15 +421,29 @@ def tracing(args=(), kwargs=None) -> bool:
     return any(isinstance(a, _FakeTensor) for a in (*args, *(kwargs or {}).values()))
 
 
-def run_region(fn, args, kwargs, policy, name, *, module=None, module_names=None, report=False):
-    """Call ``fn`` once inside a region (or plainly when no gradient is being recorded)."""
-    if tracing(args, kwargs):
-        return traced_region(fn, args, kwargs, policy, name)
+def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names=None, report=False):
+    """Call ``fn`` once inside a region (or plainly when no gradient is being recorded).
+
+    Without a ``name``, the region is named for the module ``fn`` runs on (its qualified
+    name if registered, else its class) or for the function.
+    """
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None) or fn
-    with Region(policy, name, module=module, module_names=module_names, report=report, args=args, kwargs=kwargs,
-                code=code):
+    code, on, call_args, call_kwargs = computation(fn, args, kwargs)
+    if module is None:
+        module = on
+    qualified = False
+    if name is None:
+        if on is not None:
+            name = _module_names.get(on)
+            qualified = name is not None
+            name = name or type(on).__name__
+        else:
+            name = getattr(fn, "__qualname__", type(fn).__name__)
+    if module_names is None and module is not None:
+        module_names = _module_table(module, name, qualified)
+    with Region(policy, name, module=module, module_names=module_names, report=report, args=call_args,
+                kwargs=call_kwargs, code=code):
         return fn(*args, **kwargs)
 
 
@@ -370,7 +462,7 @@ class _ModuleHooks:
 
     def pre(self, module, args):
         if not torch.is_grad_enabled() or tracing(args):
-            return None  # traced: the module's forward marks its ops (_traced_forward)
+            return None  # traced: the module's forward marks its ops (_TracedForward)
         if self.names is None:
             prefix = f"{self.name}." if self.qualified else ""
             self.names = {id(m): (prefix + n) if n else self.name for n, m in module.named_modules()}
@@ -482,9 +574,10 @@ def checkpoint_call(function, *args, policy=None, use_reentrant=False, preserve_
     if use_reentrant:
         raise CheckpointError(
             "tracedac.checkpoint_call does not run reentrant checkpointing (use_reentrant=True): "
-            "it records the forward instead of re-running it. Pass use_reentrant=False; in "
-            "Hugging Face transformers: model.gradient_checkpointing_enable("
-            "gradient_checkpointing_kwargs={'use_reentrant': False})."
+            "it records the forward instead of re-running it. Pass use_reentrant=False. With "
+            "Hugging Face transformers, enable tracedac with tracedac.integrations.hf.enable(model, "
+            "policy=...) and leave use_reentrant out of gradient_checkpointing_kwargs (or set it "
+            "to False); see README, 'Hugging Face transformers'."
         )
     if context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn":
         raise CheckpointError(
@@ -494,8 +587,7 @@ def checkpoint_call(function, *args, policy=None, use_reentrant=False, preserve_
         )
     policy = recompute_all() if policy is None else policy
     check_policy(policy)
-    region_name = getattr(function, "__qualname__", type(function).__name__)
-    return run_region(function, args, kwargs, policy, region_name)
+    return run_region(function, args, kwargs, policy)
 
 
 def module_matcher(match, where: str = "wrap(match=...)"):
@@ -549,12 +641,38 @@ def wrap(model: nn.Module, match, policy=None) -> nn.Module:
     return model
 
 
+def unwrap(obj):
+    """Undo tracedac on ``obj``; returns the plain module or function.
+
+    A model: every ``wrap``/``checkpoint(module)`` hook is removed and
+    ``tracedac.integrations.hf.enable`` is undone, so forward is plain again; parameters,
+    buffers and ``state_dict`` keys never changed. A function made by ``checkpoint(fn)``:
+    ``fn``. Anything tracedac did not touch comes back as it is.
+    """
+    if isinstance(obj, nn.Module):
+        for m in list(obj.modules()):
+            spec = m.__dict__.get("_tracedac")
+            if isinstance(spec, _ModuleHooks):
+                for h in spec.handles:
+                    h.remove()
+                del m.__dict__["_tracedac"]
+                if isinstance(m.__dict__.get("forward"), _TracedForward):
+                    del m.__dict__["forward"]
+            elif spec is not None:
+                spec.disable()  # an integration's state (tracedac.integrations.hf)
+        return obj
+    spec = getattr(obj, "_tracedac", None)
+    if isinstance(spec, _FunctionRegion):
+        return spec.fn
+    return obj
+
+
 def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """Label ``tensor`` for policies (``save_names``) and reports; returns ``tensor``.
 
     Inside a region it labels the op that produced the tensor's current value; outside any
     region it does nothing. Under ``torch.compile`` (or another tracer) it is an identity op
-    (``tracedac::label``; ``torch.ops.tracedac.name`` would clash with the namespace's own ``name``) that carries the label into the graph.
+    (``tracedac::label``) that carries the label into the graph.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"name() labels a tensor, got {type(tensor).__name__}")

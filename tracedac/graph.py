@@ -205,7 +205,7 @@ class Group:
     """One storage seen in the region, and everything needed to rebuild any state of it."""
 
     __slots__ = ("id", "nbytes", "device", "creator", "mutations", "external", "snapshot", "outer",
-                 "held", "version")
+                 "held", "version", "grows")
 
     def __init__(self, id: int, nbytes: int, device: torch.device):
         self.id = id
@@ -220,6 +220,7 @@ class Group:
         # the version counter of ``held`` or ``external`` (one counter: a held alias of an
         # outside tensor shares it) when the region ended
         self.version = -1
+        self.grows = False  # a write grew the storage in place (replay forgets its views after writes)
 
     def add_mutation(self, node: Node) -> None:
         if self.mutations:

@@ -455,8 +455,8 @@ class PlanCache:
             self.entries.move_to_end(key)
         return entry
 
-    def put(self, key, signatures: tuple, keep: frozenset) -> None:
-        self.entries[key] = (signatures, keep)
+    def put(self, key, signatures: tuple, keep: frozenset, context: tuple) -> None:
+        self.entries[key] = (signatures, keep, context)
         self.entries.move_to_end(key)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
@@ -523,15 +523,21 @@ class Planning:
         return node.decision is not MUST_RECOMPUTE and g.id in self.keep
 
     def finish(self, region) -> None:
-        """Make the plan if none applied, then release what it does not keep."""
+        """Make the plan if none applied, then release what it does not keep.
+
+        A cached plan applies only if, beyond the ops, autograd saved the same values and the
+        policy's MUST decisions are the same: a plan is chosen for what backward needs, and
+        two calls with equal ops can differ there (a frozen weight, a labelled tensor)."""
         graph = region.graph
-        if self.cached is not None and not self.undecided and len(self.cached[0]) == len(graph.nodes):
+        kept_slots = [s for s in region.kept if not s.exact]
+        wanted = region_values(graph, graph.slots()) | region_values(graph, kept_slots)
+        context = (frozenset(wanted), tuple(must_decisions(graph).items()))
+        cached = self.cached
+        if cached is not None and not self.undecided and len(cached[0]) == len(graph.nodes) and cached[2] == context:
             return  # decided while recording
         self.planned_now = True
         plans.made += 1
         groups = graph.groups
-        kept_slots = [s for s in region.kept if not s.exact]
-        wanted = region_values(graph, graph.slots()) | region_values(graph, kept_slots)
         live = {s.meta.group for s in kept_slots} | {g.id for g in groups if g.held is not None}
         held = [g.id for g in groups if g.held is not None and g.node is not None]
         keep = self.planner.choose(problem(graph, wanted, live, held))
@@ -558,4 +564,4 @@ class Planning:
         region.kept = still
         if self.key is not None:
             sigs = tuple(self.signatures[i] for i in range(len(graph.nodes)))
-            plans.put(self.key, sigs, frozenset(keep))
+            plans.put(self.key, sigs, frozenset(keep), context)

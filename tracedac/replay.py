@@ -21,15 +21,49 @@ Replay never runs Python from the region and never writes a tensor the program c
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from .errors import CheckpointError
 from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes
 
-__all__ = ["Slot", "plan", "run_pass"]
+__all__ = ["Slot", "fill_fresh_with_nan", "plan", "run_pass"]
 
 _Tensor = torch.Tensor
 _NOT_STARTED = ("",)
+_aten = torch.ops.aten
+# Ops whose result is uninitialized memory: a replay must write it before anything reads it.
+_UNINITIALIZED = frozenset([
+    _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
+    _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_permuted.default,
+])
+# Debugging: fill every allocation replay makes without initializing it (an ``empty_like``,
+# a ``Layout`` argument) with NaN (integers: their largest value), so that a replay handing
+# autograd memory nobody wrote shows as NaN gradients instead of whatever was there.
+_fill_nan = os.environ.get("TRACEDAC_FILL_NAN", "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def fill_fresh_with_nan(enabled: bool = True):
+    """Within this block, replay fills the uninitialized tensors it allocates with NaN
+    (the environment variable ``TRACEDAC_FILL_NAN=1`` does it for a whole run). A debugging
+    aid: correct replays never read such memory before writing it."""
+    global _fill_nan
+    before, _fill_nan = _fill_nan, enabled
+    try:
+        yield
+    finally:
+        _fill_nan = before
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    if t.dtype is torch.bool:
+        return t.fill_(True)
+    return t.fill_(torch.iinfo(t.dtype).max)
 
 
 def _double_backward_error():
@@ -117,7 +151,7 @@ class _Forgotten(CheckpointError):
         )
 
 
-def _unavailable(graph: RegionGraph, g: Group) -> CheckpointError:
+def _unavailable(graph: RegionGraph, g: Group) -> Exception:
     if g.external is not None:
         return CheckpointError(
             f"{graph.namer(g.external)}, which region {graph.name!r} read, was modified in place "
@@ -126,7 +160,7 @@ def _unavailable(graph: RegionGraph, g: Group) -> CheckpointError:
             "the update after backward, or keep what the region computed from it with a policy "
             "(tracedac.name(...) on the result and policies.save_names(...))."
         )
-    return CheckpointError(
+    return AssertionError(  # region exit plans every source replay may need: a bug of ours
         f"a storage of {human_bytes(g.nbytes)} that region {graph.name!r} read is needed to "
         "replay its ops but was not kept; this is a tracedac bug, please report it with the "
         "region's code."
@@ -251,7 +285,8 @@ def _source(g: Group, kind: str) -> torch.Tensor:
     if kind == "snapshot":
         return torch.empty(0, dtype=torch.uint8, device=g.device).set_(g.snapshot)
     if kind == "outer":
-        return g.outer.unpack()
+        with torch.no_grad():  # as backward unpacks it (replay runs in grad mode)
+            return g.outer.unpack()
     raise AssertionError(kind)
 
 
@@ -268,7 +303,7 @@ class _Env:
     def view(self, m: TensorMeta) -> torch.Tensor:
         gid = m.group
         if self.state[gid] != m.state:
-            raise CheckpointError(
+            raise AssertionError(
                 f"internal error: replay wanted storage {gid} in state {m.state} but it is "
                 f"in state {self.state[gid]}; please report this with the region's code"
             )
@@ -309,7 +344,7 @@ def _arg(env: _Env, a):
     if isinstance(a, TensorMeta):
         return env.view(a)
     if a.__class__ is Layout:
-        return a.tensor()
+        return _poison(a.tensor()) if _fill_nan else a.tensor()
     if isinstance(a, (list, tuple)):
         return type(a)(env.view(x) if isinstance(x, TensorMeta) else x for x in a)
     return a
@@ -324,7 +359,7 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
     if p is None or not p.still_valid(graph, wanted):
         try:
             p = graph.plan = plan(graph, wanted)
-        except CheckpointError:
+        except (CheckpointError, AssertionError):  # a source modified after the forward explains both
             changed = [s for s in slots if s.changed]
             if not changed:
                 raise
@@ -356,7 +391,10 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
 
     generators = {}
     try:
-        with torch.no_grad(), torch._C._DisableAutocast():
+        # Below autograd (no graph is built) but in grad mode as the forward was: some kernels
+        # make what only their backward reads when grad mode is on (mkldnn_rnn_layer's
+        # workspace, under nn.LSTM on CPU) and return an undefined tensor without it.
+        with torch._C._AutoDispatchBelowADInplaceOrView(), torch.enable_grad(), torch._C._DisableAutocast():
             for gid, (kind, state) in starts.items():
                 if kind != "create":
                     source = _source(groups[gid], kind)
@@ -379,11 +417,20 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
                         gen.set_state(state)
                 out = node.op._op(*args, **kwargs)
                 flat = (out,) if isinstance(out, _Tensor) else flatten_outputs(out)
+                if _fill_nan and node.op in _UNINITIALIZED:
+                    _poison(flat[0])
                 for k in node.creates:
                     o, m = flat[k], node.outputs[k]
                     gid = m.group
                     if starts.get(gid, _NOT_STARTED)[0] != "create":
                         continue  # an output nobody wants, or one a live tensor provides
+                    if o is None:
+                        raise CheckpointError(
+                            f"replaying {node.name} (node {node.index} of region {graph.name!r}) "
+                            f"left its output {k} undefined, but the forward's was a tensor that "
+                            "backward needs; the kernel decides from state tracedac does not "
+                            "record. Keep its result with a policy (save_ops) instead."
+                        )
                     if o.size() != m.size or o.stride() != m.stride or o.storage_offset() != m.offset:
                         raise CheckpointError(
                             f"replaying {node.name} gave a tensor laid out as size "
@@ -400,6 +447,8 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
                         env.drop(gid)  # nothing later reads it: it lives on in what was captured
                 for gid in node.writes:
                     env.state[gid] += 1
+                    if groups[gid].grows:
+                        env._forget_views(gid)  # the written view may have been resized
                     if gid in captures:
                         capture(gid)
                 for m in reads[i]:
@@ -411,7 +460,7 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
     missing = [s for s in slots if s.value is None]
     if missing:
         m = missing[0].meta
-        raise CheckpointError(
+        raise AssertionError(
             f"internal error: replay did not rebuild storage {m.group} in state {m.state} "
             f"for region {graph.name!r}; please report this with the region's code"
         )

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CheckpointError
 from .graph import Group, Layout, Node, RegionGraph, TensorMeta, flatten_outputs
+from .writes import hidden_writes, writes_now
 
 __all__ = ["TracerMode", "current_module_path"]
 
@@ -28,10 +29,13 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
 class _OpInfo:
-    __slots__ = ("writes", "rebinds", "seeded", "view", "layout_only", "bare")
+    __slots__ = ("writes", "rebinds", "seeded", "view", "layout_only", "hidden", "bare")
 
-    def __init__(self, writes, rebinds, seeded, view, layout_only=False, bare=False):
+    def __init__(self, writes, rebinds, seeded, view, layout_only=False, hidden=None, bare=False):
         self.writes = writes  # ((position, name), ...) of arguments whose data the op writes
+        # writes its schema does not declare (writes.hidden_writes: BatchNorm's running
+        # statistics), decided per call by a flag argument
+        self.hidden = hidden
         self.rebinds = rebinds  # arguments whose geometry it rewrites in place
         self.seeded = seeded  # draws from a random generator
         # a pure view (transpose, select, split...): allocates and writes nothing, so there
@@ -65,17 +69,19 @@ def op_info(func) -> _OpInfo:
     # data. Geometry is read off the tensor at every use, so that is an ordinary view to us,
     # as long as the tensor stays on its storage (set_ and a growing resize_ do not).
     seeded = torch.Tag.nondeterministic_seeded in tags
-    # A pure view, or an op that returns no tensor and writes none (prim.device, sym_size,
-    # item): nothing to replay. (Such ops also reach the mode from C++, where an exception
-    # would abort the process.)
+    hidden = hidden_writes(func) if isinstance(func, torch._ops.OpOverload) else None
+    # An op that returns no tensor and writes none (prim.device, sym_size, item): nothing to
+    # replay, run it bare. (Such ops also reach the mode from C++, where an exception would
+    # abort the process.)
     returns_tensor = any(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType))
                          for r in func._schema.returns)
-    bare = not returns_tensor and not written and not seeded
-    view = (bool(getattr(func, "is_view", False)) and not written and not seeded) or bare
+    bare = not returns_tensor and not written and not seeded and hidden is None
+    view = (bool(getattr(func, "is_view", False)) and not written and not seeded and hidden is None) or bare
     if torch.Tag.inplace_view in tags:
         info = _OpInfo((), written, seeded, False)
     else:
-        info = _OpInfo(written, (), seeded, view, getattr(func, "overloadpacket", None) in _LAYOUT_ONLY, bare)
+        info = _OpInfo(written, (), seeded, view, getattr(func, "overloadpacket", None) in _LAYOUT_ONLY, hidden,
+                       bare)
     _INFO[id(func)] = (func, info)  # by id: OpOverload.__hash__ is a Python method; func pins the id
     return info
 
@@ -171,18 +177,21 @@ def user_source() -> str | None:
     return None
 
 
-def _check_replayable(t: torch.Tensor) -> None:
+def _check_replayable(t: torch.Tensor, producer=None) -> None:
+    """Refuse what tracedac cannot replay: ``t`` reached an op, or ``producer`` returned it."""
+    where = "reached an op" if producer is None else f"was returned by {producer}"
     if type(t) not in _PLAIN_TYPES and type(t).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl:
         raise CheckpointError(
-            f"a {type(t).__name__} (a tensor subclass) reached an op inside a checkpointed "
+            f"a {type(t).__name__} (a tensor subclass) {where} inside a checkpointed "
             "region; tracedac records plain tensors only and could not replay it. Checkpoint "
             "a region that does not take it, or unwrap it before the region."
         )
     if t.layout is not torch.strided or (t.is_complex() and (t.is_conj() or t.is_neg())):
         raise CheckpointError(
-            f"a tensor with layout {t.layout} (or a lazy conjugate/negative bit) reached an op "
-            "inside a checkpointed region; tracedac replays strided tensors only. Call "
-            ".to_dense() / .resolve_conj() before the region, or keep the op outside it."
+            f"a tensor with layout {t.layout} (or a lazy conjugate/negative bit) {where} "
+            "inside a checkpointed region; tracedac records and replays strided tensors on "
+            "storages only. Call .to_dense() / .resolve_conj() before the region, or do the "
+            "sparse (or other non-strided) work outside it."
         )
 
 
@@ -242,6 +251,13 @@ class TracerMode(TorchDispatchMode):
         self.devices: dict = {}
         self.sources = region.report
         self.timing = region.timing  # cost="time" planners: each op's duration
+        # Handles autograd packed since the last recorded op: the next op's inputs among them.
+        # An op that writes one of its own saved inputs without bumping its version counter
+        # (rrelu_with_noise's noise; BatchNorm's running statistics, see writes.py) leaves
+        # eager's backward reading the value after the write, so the handle must too; an op
+        # that bumps it makes eager's backward refuse, and the handle keeps the value it saw.
+        self._packed: list = []  # (slot, tensor, its version)
+        self._written: list = []  # (slot, tensor, version, meta after the last recorded op's write)
 
     def close(self) -> None:
         """Release the pinned storage addresses (the region has ended)."""
@@ -254,6 +270,29 @@ class TracerMode(TorchDispatchMode):
         self.metas = {}
         self.recent = {}
         self.rng_last = {}
+        self._packed = []
+        self._written = []
+
+    def packed(self, slot, t: torch.Tensor):
+        """Note a handle autograd just packed for ``t`` (see ``_packed``); returns it."""
+        self._packed.append((slot, t, t._version))
+        return slot
+
+    def settle_packed(self) -> None:
+        """Move the handles of the last write to the state after it, unless the write bumped
+        the tensor's version counter (autograd bumps it after the op leaves this mode)."""
+        for slot, t, version, meta in self._written:
+            if t._version == version:
+                slot.meta = meta
+        self._written = []
+
+    def _saw_write(self, node: Node) -> None:
+        groups = self.graph.groups
+        for slot, t, version in self._packed:
+            m = slot.meta
+            if m.group in node.writes and m.state == len(groups[m.group].mutations) - 1:
+                after = TensorMeta(m.group, m.state + 1, m.dtype, m.size, m.stride, m.offset)
+                self._written.append((slot, t, version, after))
 
     def group_of(self, t: torch.Tensor) -> Group | None:
         """The group of ``t``'s storage, or None if no recorded op has touched it."""
@@ -319,16 +358,16 @@ class TracerMode(TorchDispatchMode):
             return self._map(a)
         return a
 
-    def _writes(self, info, args, kwargs) -> list:
+    def _writes(self, writes, rebinds, args, kwargs) -> list:
         """(tensor, group, storage address, bytes) of each tensor the op writes or rebinds."""
         written = []
-        for pos, name in info.writes + info.rebinds:
+        for pos, name in writes + rebinds:
             t = args[pos] if pos < len(args) else kwargs.get(name)
             if not isinstance(t, _Tensor):
                 continue
             storage = t.untyped_storage()  # (once per written tensor: the write check needs its size)
             g = self.storages[storage._cdata]
-            if info.writes and g.creator is None and not g.mutations:
+            if writes and g.creator is None and not g.mutations:
                 # The outside tensor's value before this write may be needed to replay what
                 # read it, and the write cannot be undone: copy it now (the region's end drops
                 # the copy if nothing needs it).
@@ -371,7 +410,8 @@ class TracerMode(TorchDispatchMode):
         else:
             margs = tuple([self._arg(a) for a in args])
         mkwargs = {k: self._arg(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
-        written = self._writes(info, args, kwargs) if info.writes or info.rebinds else ()
+        writes = info.writes if info.hidden is None else info.writes + writes_now(info.hidden, args, kwargs)
+        written = self._writes(writes, info.rebinds, args, kwargs) if writes or info.rebinds else ()
         rng = self._random(args, kwargs) if info.seeded else None
 
         if self.timing:
@@ -382,23 +422,34 @@ class TracerMode(TorchDispatchMode):
 
         for t, g, cdata, nbytes in written:
             storage = t.untyped_storage()
-            if storage._cdata != cdata or storage.nbytes() != nbytes:
+            if storage._cdata != cdata or (storage.nbytes() != nbytes and info.rebinds):
                 raise CheckpointError(
                     f"{func} replaced or resized the storage of a tensor inside a checkpointed "
                     "region; tracedac replays ops on storages it can rebuild and cannot replay "
                     "that. Move it outside the region (or allocate the tensor at its final size)."
                 )
+            if storage.nbytes() != nbytes:
+                # A write that grows its output in place (an out= argument of the wrong size,
+                # addbmm_ on a broadcastable self): replay grows its private copy the same way.
+                g.nbytes = storage.nbytes()
+                g.grows = True
         if info.rebinds:
             self.recent = {}  # geometry changed in place: cached metas are stale
             return out  # and nothing to replay: geometry is read off tensors at every use
 
-        if isinstance(out, _Tensor):  # most ops: one tensor out
-            flat = (out,)
-            created = () if _address(out) in storages else ((0, self._new_group(out)),)
-        else:
-            flat = flatten_outputs(out)
-            created = [(i, self._new_group(o)) for i, o in enumerate(flat)
-                       if isinstance(o, _Tensor) and _address(o) not in storages]
+        try:
+            if isinstance(out, _Tensor):  # most ops: one tensor out
+                flat = (out,)
+                created = () if _address(out) in storages else ((0, self._new_group(out)),)
+            else:
+                flat = flatten_outputs(out)
+                created = [(i, self._new_group(o)) for i, o in enumerate(flat)
+                           if isinstance(o, _Tensor) and _address(o) not in storages]
+        except (RuntimeError, NotImplementedError):
+            for o in flatten_outputs(out):
+                if isinstance(o, _Tensor):
+                    _check_replayable(o, func)
+            raise
         if not created and not written:
             return out  # a view or a read: nothing to replay, nothing to keep
 
@@ -415,6 +466,12 @@ class TracerMode(TorchDispatchMode):
         for _, g in created:
             g.creator = node
         self.recent = {}  # from here on: this op's results
+        if self._written:
+            self.settle_packed()
+        if self._packed:
+            if written:
+                self._saw_write(node)
+            self._packed = []
         if len(flat) == 1 and created:
             node.outputs = (self._new_meta(out, created[0][1]),)  # its group is the one just made
         else:

@@ -54,17 +54,16 @@ def test_every_variant_reports_time_memory_gradient_difference_and_tokens(quick)
         assert 0 < row["forward_s"] < max(row["step_times_s"])  # parts of the step
         assert 0 < row["backward_s"] < max(row["step_times_s"])
         assert row["bytes_held"] > 0
-        assert 0 <= row["python_bytes_held"]
-        assert row["max_grad_diff"] >= 0
         assert row["tokens_counted"] > 0
     assert rows(quick)["none"]["step_vs_none"] == 1.0
     tracing = quick["tracing"]
     for key in ("plain", "empty_mode", "least_recorder", "traced"):
-        assert tracing[f"{key}_forward_s"] > 0
-        assert len(tracing[f"{key}_times_s"]) == tracing["forwards"] == quick["steps"]
-    for key in ("empty_mode", "least_recorder"):
-        assert tracing[f"{key}_ratio"] == tracing[f"{key}_forward_s"] / tracing["plain_forward_s"]
-    assert tracing["ratio"] == tracing["traced_forward_s"] / tracing["plain_forward_s"]
+        times = tracing[f"{key}_times_s"]
+        assert len(times) == tracing["forwards"] == quick["steps"]
+        assert 0 < min(times) <= tracing[f"{key}_forward_s"] <= max(times)  # a statistic of its own forwards
+    for key in ("empty_mode", "least_recorder", "traced"):
+        ratio = tracing["ratio" if key == "traced" else f"{key}_ratio"]
+        assert (ratio < 1) == (tracing[f"{key}_forward_s"] < tracing["plain_forward_s"])  # over the plain forward
 
 
 def test_the_empty_mode_baseline_runs_the_blocks_ops_through_a_mode_and_changes_nothing(monkeypatch):
@@ -144,11 +143,27 @@ def test_the_probe_sees_that_torch_checkpoint_holds_fewer_bytes_than_no_checkpoi
 def test_each_target_is_reported_with_its_value_limit_and_verdict(quick):
     names = [t["name"] for t in quick["targets"]]
     assert len(names) == 5
+    text = checkpointing.format_report(quick)
+    lines = text.splitlines()
     for target in quick["targets"]:
         assert target["value"] > 0
-        assert target["passed"] is (target["value"] <= target["limit"])
-    text = checkpointing.format_report(quick)
-    assert text.count("PASS") + text.count("FAIL") == 5
+        (line,) = [line for line in lines if f"{target['name']}:" in line]
+        assert line.startswith("  PASS " if target["passed"] else "  FAIL "), line
+        assert f"{target['value']:.3f}" in line and f"<= {target['limit']:.2f}" in line
+
+
+def test_targets_are_judged_from_the_rows_they_name():
+    """Made-up rows with known ratios: tracedac 1.5x torch's step (fails <= 1.00), 3x no
+    checkpoint (fails <= 1.40), the same bytes as torch's selective (passes <= 1.00), half
+    its step time, and a traced forward 1.05x the plain one (passes <= 1.10)."""
+    made_up = [
+        {"key": "none", "step_s": 1.0}, {"key": "torch", "step_s": 2.0},
+        {"key": "torch_sac", "step_s": 1.0, "bytes_held": 100},
+        {"key": "tracedac_recompute_all", "step_s": 3.0},
+        {"key": "tracedac_save_matmuls", "step_s": 0.5, "bytes_held": 100},
+    ]
+    judged = [(t["value"], t["passed"]) for t in checkpointing._targets(made_up, {"dim": 64, "ratio": 1.05})]
+    assert judged == [(1.5, False), (3.0, False), (1.0, True), (0.5, True), (1.05, True)]
 
 
 def test_a_missing_torch_remat_shows_as_not_installed_and_the_rest_still_reports(quick):

@@ -16,7 +16,22 @@ def test_layouts_collapse_to_the_fewest_dims_that_address_them():
     assert collapse_dims(t.shape, t.stride()) == [(7, 1), (5, 7)]
     assert collapse_dims(x[..., ::2].shape, x[..., ::2].stride()) == [(96, 2)]
     assert collapse_dims(torch.empty(1, 1).shape, (1, 1)) == []
-    assert MAX_DIMS >= 4
+
+
+def _offsets(size, stride) -> list:
+    """Every element's storage offset, in row-major index order (the oracle: torch's as_strided)."""
+    storage = torch.arange(1 + sum((n - 1) * s for n, s in zip(size, stride)))
+    return storage.as_strided(size, stride).flatten().tolist() if size else [0]
+
+
+def test_collapsed_dims_address_the_same_elements_in_the_same_order():
+    x = torch.empty(3, 4, 5, 6)
+    views = [x, x[:, 1:3], x[..., ::2], x.transpose(1, 3), x[1:, :, 2:4, 1:].permute(2, 0, 3, 1),
+             x.expand(2, 3, 4, 5, 6), x[:, :, 0:1], torch.empty(5, 7).t()[::2]]
+    for v in views:
+        dims = collapse_dims(v.shape, v.stride())
+        assert len(dims) <= MAX_DIMS  # ordinary views stay within what the kernel takes
+        assert _offsets([n for n, _ in dims], [s for _, s in dims]) == _offsets(v.shape, v.stride())
 
 
 def test_only_aligned_contiguous_multiple_of_8_units_get_the_vector_variant():

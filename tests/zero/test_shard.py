@@ -52,14 +52,23 @@ def test_bad_arguments_are_refused_with_what_to_pass(world1):
         zero.load_full_state_dict(m, {})
 
 
-def test_parameters_are_the_flat_shards(world1):
+def test_parameters_keep_their_names_and_are_dtensor_shards_viewing_one_buffer_per_group(world1):
+    from torch.distributed.tensor import DTensor, Shard
+
+    ref = w.model()
     m = zero.shard(w.model())
-    names = [n for n, _ in m.named_parameters()]
-    assert names and all(n.rpartition(".")[2].startswith("_tracedac_flat") for n in names)
-    assert all(p.dtype == torch.float32 and p.dim() == 1 for p in m.parameters())
-    # the modules show meta placeholders between forwards: shapes readable, no memory
-    assert m.blocks[0].lin1.weight.device.type == "meta" and m.blocks[0].lin1.weight.shape == (2 * w.D, w.D)
+    assert [n for n, _ in m.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert list(m.state_dict()) == list(ref.state_dict())
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),) and p.shape == q.shape, name
+        torch.testing.assert_close(p.full_tensor(), q.detach())
+    # read outside forward: the shard, never a placeholder; shared parameters stay shared
+    assert isinstance(m.blocks[0].lin1.weight, DTensor) and m.blocks[0].lin1.weight.device.type == "cpu"
     assert m.blocks[1].lin2.weight is m.blocks[0].lin2.weight
+    groups = m._tracedac_zero.all_groups
+    for g in groups:
+        for s in g.slices:
+            assert s.param.to_local().untyped_storage().data_ptr() == g.local.untyped_storage().data_ptr()
 
 
 def test_units_can_be_chosen_by_class_or_predicate(world1):
@@ -106,7 +115,7 @@ def test_gather_release_and_reduce_scatter_are_nodes_in_a_traced_graph(world1):
     gm = make_fx(lambda x: m(x))(x)
     targets = {str(n.target) for n in gm.graph.nodes}
     assert {"tracedac.all_gather.default", "tracedac.release.default"} <= targets
-    flat = m._tracedac_zero.flats[0]
+    flat = m._tracedac_zero.all_groups[0]
     grad = torch.ones(flat.world * flat.shard_numel)
     gm = make_fx(lambda g: torch.ops.tracedac.reduce_scatter(g, flat.key))(grad)
     assert "tracedac.reduce_scatter.default" in {str(n.target) for n in gm.graph.nodes}
@@ -116,14 +125,14 @@ def test_fake_implementations_give_the_real_shapes(world1):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     m = zero.shard(w.model(), mixed_precision=zero.MixedPrecision())
-    flats = m._tracedac_zero.flats
+    flats = m._tracedac_zero.all_groups
     with FakeTensorMode() as mode:
         for f in flats:
-            shard = mode.from_tensor(f.shard)
+            shard = mode.from_tensor(f.leaf)
             full = torch.ops.tracedac.all_gather(shard, f.key)
             assert full.shape == (f.world * f.shard_numel,) and full.dtype == f.dtype
             part = torch.ops.tracedac.reduce_scatter(full, f.key)
-            assert part.shape == f.shard.shape and part.dtype == torch.float32
+            assert part.shape == f.leaf.shape and part.dtype == torch.float32
     assert {f.dtype for f in flats} == {torch.bfloat16, torch.float32}
 
 
@@ -134,15 +143,11 @@ def test_bf16_gradients_reduced_in_bf16_are_upcast_into_fp32_shard_grads(world1)
     x, y = w.data(0)
     F.mse_loss(ref(x), y).backward()
     F.mse_loss(m(x), y).backward()
-    assert all(f.shard.grad.dtype == torch.float32 for f in m._tracedac_zero.flats if f.shard.requires_grad)
-    full = {}
-    for f in m._tracedac_zero.flats:
-        if f.shard.requires_grad:
-            for fqns, offset, shape in f.params:
-                full[fqns[0]] = f.shard.grad[offset:offset + torch.Size(shape).numel()].view(shape)
+    grads = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+    assert all(g.dtype == torch.float32 for g in grads.values())
     for name, p in ref.named_parameters():
         if p.requires_grad:
-            torch.testing.assert_close(full[name], p.grad, atol=3e-2, rtol=5e-2)
+            torch.testing.assert_close(grads[name].full_tensor(), p.grad, atol=3e-2, rtol=5e-2)
 
 
 def test_tracedac_zero_is_a_lazy_attribute():
@@ -176,8 +181,7 @@ def test_a_model_whose_root_has_no_parameters_shards_trains_and_counts_its_passe
         for _ in range(3):
             model(x).sum().backward()
     torch.testing.assert_close(zero.full_state_dict(m), ref.state_dict())
-    flat = m._tracedac_zero.flats[0]
-    torch.testing.assert_close(flat.shard.grad, torch.cat([ref.layers[0].weight.grad.flatten(), ref.layers[0].bias.grad]))
+    torch.testing.assert_close(m.layers[0].weight.grad.full_tensor(), ref.layers[0].weight.grad)
     state = m._tracedac_zero.units[0].state
     with torch.no_grad():
         for _ in range(5):

@@ -10,6 +10,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import tracedac
 import tracedac.zero as zero
@@ -28,25 +29,33 @@ class Block(nn.Module):
         self.odd = nn.Parameter(torch.randn(7) * 0.1)  # 7 elements: divides by no world size > 1
         self.frozen = nn.Parameter(torch.randn(d) * 0.1, requires_grad=False)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.checkpoint_lin1 = False  # torch.utils.checkpoint around lin1, inside the unit
 
     def forward(self, x):  # [B, D]
         self.calls.add_(1)  # a side effect (an MoE router's counter): once per step
-        h = self.lin2(F.gelu(self.lin1(self.norm(x))))
+        h = self.norm(x)
+        h = checkpoint(self.lin1, h, use_reentrant=False) if self.checkpoint_lin1 else self.lin1(h)
+        h = self.lin2(F.gelu(h))
         return x + h.float() * (1 + self.odd.sum()) + self.frozen
 
 
 class Model(nn.Module):
-    def __init__(self, d=D, n=3):
+    def __init__(self, d=D, n=3, tie=True):
         super().__init__()
         self.embed = nn.Linear(d, d)
         self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-        self.blocks[1].lin2.weight = self.blocks[0].lin2.weight  # shared between two units
+        if tie:
+            self.blocks[1].lin2.weight = self.blocks[0].lin2.weight  # shared between two units
         self.head = nn.Linear(d, 1)
+        self.checkpoint_blocks = False  # torch.utils.checkpoint around each block (a unit)
+        self.skip = ()  # indices of blocks this rank's forward skips (ranks that diverge)
 
     def forward(self, x):
         h = self.embed(x)
-        for b in self.blocks:
-            h = b(h)
+        for i, b in enumerate(self.blocks):
+            if i in self.skip:
+                continue
+            h = checkpoint(b, h, use_reentrant=False) if self.checkpoint_blocks else b(h)
         return self.head(h).float().squeeze(-1)
 
 
@@ -120,15 +129,15 @@ class GatherLog:
         self.counts = collections.Counter()
         self.refs = []
         self.bytes = 0
-        self._gather, self._all_gather = zops.FlatParam.gather, zops._all_gather
+        self._gather, self._all_gather = zops.FlatGroup.gather, zops._all_gather
         log = self
 
         self.prefetched = self.starts = 0
-        self._start = zops.FlatParam.start
+        self._start = zops.FlatGroup.start
 
-        def start(flat, shard):
+        def start(flat, shard, dtype=None):
             log.starts += 1
-            return log._start(flat, shard)
+            return log._start(flat, shard, dtype)
 
         def gather(flat, shard):
             log.prefetched += flat.pending is not None
@@ -141,7 +150,7 @@ class GatherLog:
             log.bytes += out.numel() * out.element_size()
             return log._all_gather(out, src, **kw)
 
-        zops.FlatParam.gather, zops.FlatParam.start, zops._all_gather = gather, start, all_gather
+        zops.FlatGroup.gather, zops.FlatGroup.start, zops._all_gather = gather, start, all_gather
 
     def alive(self):
         """Gathered buffers still alive. gloo's worker thread lets go of a finished
@@ -154,7 +163,7 @@ class GatherLog:
         return n
 
     def close(self):
-        zops.FlatParam.gather, zops.FlatParam.start, zops._all_gather = self._gather, self._start, self._all_gather
+        zops.FlatGroup.gather, zops.FlatGroup.start, zops._all_gather = self._gather, self._start, self._all_gather
 
 
 def memory(rank, world):
@@ -177,24 +186,16 @@ def memory(rank, world):
         finally:
             log.close()
         # how many units gather each group: its owner, and units borrowing a shared parameter
-        users = collections.Counter(f.key for u in z.units for f in u.flats)
+        users = collections.Counter(g.key for u in z.all_units for g in u.groups)
         out[where] = dict(alive=alive_after_forward, forward=forward, backward=backward, users=dict(users),
                           live=len(zops._LIVE), starts=log.starts, prefetched=log.prefetched,
-                          grads=all(f.shard.grad is not None for f in z.flats if f.shard.requires_grad))
+                          grads=all(p.grad is not None for p in m.parameters() if p.requires_grad))
     return out
 
 
 def full_grads(m) -> torch.Tensor:
-    """The gradient of every trainable parameter, all-gathered, in state_dict order, flat."""
-    grads = {}
-    for f in m._tracedac_zero.flats:
-        if f.shard.grad is None:
-            continue
-        full = torch.empty(f.world * f.shard_numel)
-        zops._all_gather(full, f.shard.grad)
-        for fqns, offset, shape in f.params:
-            grads[fqns[0]] = full[offset:offset + torch.Size(shape).numel()]
-    return torch.cat([grads[k] for k in sorted(grads)])
+    """The gradient of every trainable parameter, full (DTensor ``full_tensor``), by name, flat."""
+    return torch.cat([p.grad.full_tensor().flatten() for _, p in sorted(m.named_parameters()) if p.grad is not None])
 
 
 def flat_grads(m) -> torch.Tensor:
@@ -240,17 +241,17 @@ def state_dicts(rank, world, tmp):
     zero.load_full_state_dict(fresh, full)
     out["full_roundtrip"] = max_diff(zero.full_state_dict(fresh), full)
 
-    dcp.save(zero.sharded_state_dict(m), checkpoint_id=tmp)
+    dcp.save(m.state_dict(), checkpoint_id=tmp)  # the model's own DTensors: DCP as is
     other = zero.shard(model(seed=2))
-    sd = zero.sharded_state_dict(other)
+    sd = other.state_dict()
     dcp.load(sd, checkpoint_id=tmp)
-    zero.load_sharded_state_dict(other, sd)
+    other.load_state_dict(sd)
     out["dcp_roundtrip"] = max_diff(zero.full_state_dict(other), full)
     # the loaded model trains on exactly as the saved one
     train(m, rank, world, steps=1)
     train(other, rank, world, steps=1)
     out["after_step"] = max_diff(zero.full_state_dict(other), zero.full_state_dict(m))
-    n_shard = sum(p.numel() for p in m.parameters())
+    n_shard = sum(p.to_local().numel() for p in m.parameters())
     out["numel"] = (n_shard, sum(p.numel() for p in {id(p): p for p in model().parameters()}.values()))
     out["saved"] = full  # what the DCP checkpoint in tmp holds, for a load on another world size
     return out
@@ -278,7 +279,20 @@ def dead_rank(rank, world):
     return time.monotonic() - start, None
 
 
-def several(rank, world, parts):
+def diverge(rank, world):
+    """Rank 1 skips block 1: every rank raises ZeroError at the first collective that differs."""
+    m = zero.shard(model(tie=False), timeout=20)
+    m.skip = (1,) if rank == 1 else ()
+    x, y = rank_batch(0, rank, world)
+    start = time.monotonic()
+    try:
+        F.mse_loss(m(x), y).backward()
+    except zero.ZeroError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None
+
+
+def several(rank, world, parts, where=None):
     """Run several of the workers above in one spawn (starting a rank costs seconds):
     ``parts`` is ``[(name, args)]``; returns ``{name: ("ok", result) or ("error", traceback)}``."""
     import traceback
@@ -286,7 +300,7 @@ def several(rank, world, parts):
     out = {}
     for name, args in parts:
         try:
-            out[name] = ("ok", globals()[name](rank, world, *args))
+            out[name] = ("ok", (where or globals())[name](rank, world, *args))
         except Exception:
             out[name] = ("error", traceback.format_exc())
     return out

@@ -159,7 +159,6 @@ def _targets(rows: dict) -> list[dict]:
 
 def run(cfg: Config, *, steps: int = STEPS, quick: bool = False, progress=None) -> dict:
     cfg = QUICK if quick else replace(cfg, capacity=cfg.capacity or CAPACITY)
-    steps = min(steps, 2) if quick else steps
     say = Progress(progress)
     base = GPT.seeded(cfg)
     batch = make_batch(cfg)

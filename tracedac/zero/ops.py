@@ -1,17 +1,19 @@
 """ZeRO-3's three collectives as ``torch.library`` custom ops, and the flat groups they move.
 
-- ``tracedac::all_gather(shard, flat) -> full``: cast this rank's fp32 shard into the
-  all-gather input (``pack_cast``, one fused pass) and all-gather the full flat buffer in
-  the group's travel dtype. Backward: ``reduce_scatter`` the full gradient and add it into
-  the shard's fp32 ``.grad`` with ``accumulate_``.
+- ``tracedac::all_gather(shard, flat) -> full``: cast this rank's fp32 buffer into the
+  all-gather input (``pack_cast``, one fused pass), all-gather in the group's travel dtype,
+  and reorder rank-major into parameter after parameter (``layout``). Backward:
+  ``reduce_scatter`` the full gradient and add it into the parameters' DTensor ``.grad``
+  with ``accumulate_`` (or keep it unsharded while gradient sync is off).
 - ``tracedac::reduce_scatter(grad, flat) -> part``: this rank's part of the gradient summed
   over ranks, in the reduce dtype, divided by the world size (ranks average, as DDP and
   FSDP do). Backward: its adjoint, an all-gather divided by the world size.
 - ``tracedac::release(full, flat)``: the end of a gathered buffer's forward life: the unit
   forgets the one reference it held, so the storage goes with the last view.
 
-Ops take the flat group as an int key (a custom op cannot take a Python object): the
-``FlatParam`` holds the process group, dtypes and sizes. Being ops, they dispatch to
+Ops take the group as a string key (a custom op cannot take a Python object; a string,
+unlike an int, stays a constant under dynamic shapes): the ``FlatGroup`` holds the process
+group, dtypes and layout. Being ops, they dispatch to
 tracedac's ``TracerMode`` as one node each, and to any other mode or tracer.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -28,16 +31,19 @@ from ..ops import accumulate_, pack_cast
 from ..policies import recompute_by_default
 from ..trace import _address
 from .errors import ZeroError
+from .layout import dtensor, parameter, to_param_major, to_rank_major
 
-__all__ = ["FlatParam", "Prefetch", "all_gather", "reduce_scatter", "release"]
+__all__ = ["FlatGroup", "Prefetch", "all_gather", "reduce_scatter", "release"]
 
 # torch 2.13 names the tensor collectives *_single and deprecates *_into_tensor / *_tensor.
 # gloo implements both on CPU (bf16 included).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-_FLATS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> FlatParam
+_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> FlatGroup
 _KEYS = itertools.count()
+_WHAT = {"all-gather": 0, "reduce-scatter": 1, "adjoint all-gather": 2}
+_WHAT_NAMES = {v: k for k, v in _WHAT.items()}
 _LIVE: dict = {}  # storage address -> Gathered, for buffers gathered by a forward pre-hook
 
 
@@ -47,72 +53,82 @@ class Prefetch:
     The i-th gather of a forward (or backward) starts the (i+1)-th gather of the previous
     one, if the i-th was the same group then. A group may appear several times (a shared
     parameter's group is gathered by each unit using it): positions, not links between
-    groups, so the last gather of a pass never starts one nobody will consume.
+    groups, so the last gather of a pass never starts one nobody will consume. A gather
+    started but not consumed in its pass (the order changed) is waited for and dropped when
+    the next pass begins: no prefetched buffer outlives the pass, so none can predate an
+    optimizer step or a load.
     """
 
-    __slots__ = ("enabled", "backward", "current", "learned")
+    __slots__ = ("enabled", "backward", "current", "learned", "inflight")
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.backward = None  # whether the pass being recorded is a backward; None: none yet
         self.current: list = []
         self.learned: dict = {}  # backward: bool -> the order of that kind of pass, last time
+        self.inflight: list = []  # groups with a prefetched gather started in this pass
 
     def begin(self, backward: bool) -> None:
         if self.backward is not None:
             self.learned[self.backward] = self.current
         self.backward, self.current = backward, []
+        inflight, self.inflight = self.inflight, []
+        for group in inflight:
+            pending, group.pending = group.pending, None
+            if pending is not None:
+                group.wait(pending.work, "all-gather (prefetched, not used)")
 
-    def after(self, flat: FlatParam, backward: bool) -> FlatParam | None:
-        """Record a gather of ``flat``; return the group to prefetch next, if any."""
+    def after(self, group: FlatGroup, backward: bool) -> FlatGroup | None:
+        """Record a gather of ``group``; return the group to prefetch next, if any."""
         if backward != self.backward:
             self.begin(backward)
         i = len(self.current)
-        self.current.append(flat)
+        self.current.append(group)
         order = self.learned.get(backward, ())
-        if self.enabled and i + 1 < len(order) and order[i] is flat:
+        if self.enabled and i + 1 < len(order) and order[i] is group:
             return order[i + 1]
         return None
 
 
-def flat_of(key: int) -> FlatParam:
-    flat = _FLATS.get(key)
-    if flat is None:
+def group_of(key: str) -> FlatGroup:
+    group = _GROUPS.get(key)
+    if group is None:
         raise ZeroError(
             f"sharded parameter group {key} no longer exists (its model was garbage collected); "
             "a graph recorded on that model cannot be replayed. Keep the model alive until "
             "backward has run."
         )
-    return flat
+    return group
 
 
 class _Pending:
-    """An all-gather in flight: its work handle, output, and the shard version it read."""
+    """An all-gather in flight: its work handle, its output, and its input (alive until done)."""
 
-    __slots__ = ("work", "out", "src", "version", "ptr")
+    __slots__ = ("work", "out", "src")
 
-    def __init__(self, work, out, src, shard):
-        self.work, self.out, self.src = work, out, src  # src: alive until the collective ends
-        self.version, self.ptr = shard._version, shard.data_ptr()
+    def __init__(self, work, out, src):
+        self.work, self.out, self.src = work, out, src
 
 
-class FlatParam:
+class FlatGroup:
     """One flat group of a unit: parameters of one travel dtype and one ``requires_grad``.
 
-    Every rank keeps ``shard`` (fp32, ``shard_numel`` elements, the group's elements
-    ``[rank * shard_numel, (rank + 1) * shard_numel)`` of the flat buffer padded to a
-    multiple of the world size). ``state`` (one per model) prefetches in the order gathers
-    ran in the previous forward or backward: the same on every rank, so every rank issues
-    the same collectives in the same order.
+    Every rank keeps ``local``: its ``Shard(0)`` chunk of every parameter, padded, one after
+    another (``layout``), fp32, ``shard_numel`` elements. The parameters the model shows are
+    ``DTensor`` views of it (``slices[i].param``); ``leaf`` is the same storage as the autograd
+    input of the gather. ``state`` (one per model) prefetches in the order gathers ran in the
+    previous forward or backward: the same on every rank, so every rank issues the same
+    collectives in the same order.
     """
 
-    def __init__(self, name, shard, numel, dtype, reduce_dtype, group, timeout, state):
-        self.key = next(_KEYS)
-        _FLATS[self.key] = self
-        self.name = name  # "unit 'layers.0', bfloat16 parameters", for messages
-        self.shard = shard
-        self.numel = numel  # elements before padding
-        self.shard_numel = shard.numel()
+    def __init__(self, name, slices, shard_numel, requires_grad, dtype, reduce_dtype, group, timeout, state):
+        self.key = f"tracedac_zero_{next(_KEYS)}"  # a str: stays a constant when a compiler traces the op
+        _GROUPS[self.key] = self
+        self.name = name  # "unit 'layers.0' (trainable bfloat16 parameters)", for messages
+        self.crc = zlib.crc32(name.encode())  # the same on every rank: names the group in order checks
+        self.slices = slices
+        self.shard_numel = shard_numel
+        self.requires_grad = requires_grad
         self.dtype = dtype  # travel and compute dtype
         self.reduce_dtype = reduce_dtype
         self.group = group
@@ -121,6 +137,23 @@ class FlatParam:
         self.timeout = timeout
         self.state = state  # the model's Prefetch
         self.pending: _Pending | None = None
+        self.sync = True  # reduce-scatter gradients in backward (False: accumulate them unsharded)
+        self.held: torch.Tensor | None = None  # the unsharded gradient accumulated while sync is off
+        self.grad_buffer: torch.Tensor | None = None  # flat fp32 gradient that the .grad DTensors view
+        self.grads: list = []
+        self.summoned = False  # inside full_parameters(): the DTensors are swapped out
+        self.local = self.leaf = None
+
+    def bind(self, local: torch.Tensor) -> None:
+        """Make ``local`` the rank's buffer: new DTensor parameters over it, set on every module."""
+        self.local = local
+        self.leaf = local.detach().requires_grad_(self.requires_grad)
+        self.grad_buffer, self.grads, self.pending, self.held = None, [], None, None
+        for s in self.slices:
+            s.param = parameter(s, local, self.requires_grad)
+            s.param._tracedac_group, s.param._tracedac_slice = self, s
+            for module, attr in s.uses:
+                module._parameters[attr] = s.param
 
     # -- collectives --
     def wait(self, work, what: str) -> None:
@@ -140,70 +173,137 @@ class FlatParam:
             "Look at the other ranks' errors first; the timeout is shard(..., timeout=...)."
         )
 
-    def start(self, shard: torch.Tensor) -> _Pending:
-        """Start the all-gather of ``shard`` in the travel dtype, asynchronously."""
-        if self.dtype == shard.dtype:
+    def agree(self, what: str) -> None:
+        """Check, before a collective, that every rank is about to run this one.
+
+        Ranks that took different branches would otherwise pair different collectives:
+        silently wrong values when their sizes match, a gloo abort when they do not. A
+        fixed-size all-gather of (collective, size, group name) cannot abort; every rank
+        sees every row, so every rank raises at the same point.
+        """
+        if self.world == 1:
+            return
+        mine = torch.tensor([_WHAT[what], self.shard_numel, self.crc], dtype=torch.int64)
+        rows = torch.empty(self.world, 3, dtype=torch.int64)
+        self.wait(_all_gather(rows.view(-1), mine, group=self.group, async_op=True), f"{what} (order check)")
+        if bool((rows == mine).all()):
+            return
+        r = next(r for r in range(self.world) if not bool((rows[r] == mine).all()))
+        kind, _, crc = rows[r].tolist()
+        theirs = next((g.name for g in list(_GROUPS.values()) if g.crc == crc), "a group this rank does not know")
+        raise ZeroError(
+            f"rank {self.rank} is at the {what} of {self.name} but rank {r} is at the "
+            f"{_WHAT_NAMES.get(kind, 'unknown collective')} of {theirs}: the ranks run different "
+            "units (a branch taken on some ranks only, a unit skipped, a different number of "
+            "forwards). Every rank must run the same units in the same order; nothing was exchanged."
+        )
+
+    def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> _Pending:
+        """Start the all-gather of ``shard`` in the travel dtype (or ``dtype``), asynchronously."""
+        self.agree("all-gather")
+        dtype = self.dtype if dtype is None else dtype
+        if dtype == shard.dtype:
             src = shard.detach()  # no cast: gather straight from the shard
         else:
-            src = torch.empty(self.shard_numel, dtype=self.dtype, device=shard.device)
+            src = torch.empty(self.shard_numel, dtype=dtype, device=shard.device)
             pack_cast([shard.detach()], src)  # cast while writing the all-gather input
-        out = torch.empty(self.world * self.shard_numel, dtype=self.dtype, device=shard.device)
+        out = torch.empty(self.world * self.shard_numel, dtype=dtype, device=shard.device)
         work = _all_gather(out, src, group=self.group, async_op=True)
-        return _Pending(work, out, src, shard)
+        return _Pending(work, out, src)
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The full flat buffer: the prefetched one if it read this shard as it is now."""
+        """The full parameters, parameter after parameter (``layout``): prefetched if started."""
         pending, self.pending = self.pending, None
-        if pending is not None:
-            self.wait(pending.work, "all-gather (prefetched)")
-            if pending.version != shard._version or pending.ptr != shard.data_ptr():
-                pending = None  # the shard changed since (an optimizer step): gather again
         if pending is None:
             pending = self.start(shard)
             self.wait(pending.work, "all-gather")
+        else:
+            self.wait(pending.work, "all-gather (prefetched)")
         self._prefetch_next()
-        return pending.out
+        return to_param_major(pending.out, self.slices, self.world)
+
+    def gather_fp32(self) -> torch.Tensor:
+        """The full fp32 parameters, outside any pass (state dicts, ``full_parameters``)."""
+        pending = self.start(self.local, torch.float32)
+        self.wait(pending.work, "all-gather (full parameters)")
+        return to_param_major(pending.out, self.slices, self.world)
 
     def _prefetch_next(self) -> None:
         nxt = self.state.after(self, torch._C._current_graph_task_id() != -1)
         if nxt is not None and nxt.pending is None:
-            nxt.pending = nxt.start(nxt.shard)
+            nxt.pending = nxt.start(nxt.leaf)
+            self.state.inflight.append(nxt)
 
     def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
-        full = grad.to(self.reduce_dtype).contiguous()
+        self.agree("reduce-scatter")
+        full = to_rank_major(grad.to(self.reduce_dtype), self.slices, self.world)
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
         self.wait(_reduce_scatter(out, full, group=self.group, async_op=True), "reduce-scatter")
         return out.div_(self.world)
+
+    # -- gradients --
+    def hold(self, grad: torch.Tensor) -> None:
+        """``set_requires_gradient_sync(False)``: add the full gradient here, reduce nothing."""
+        if self.held is None:
+            self.held = grad.to(torch.float32, copy=True)
+        else:
+            accumulate_(self.held, grad)
+
+    def take_held(self, grad: torch.Tensor) -> torch.Tensor:
+        held, self.held = self.held, None
+        return grad if held is None else accumulate_(held, grad)
+
+    def add_grad(self, part: torch.Tensor) -> None:
+        """Add this rank's reduced gradient into the parameters' ``.grad`` (DTensors)."""
+        current = [s.param.grad for s in self.slices]
+        if self.grad_buffer is not None and all(g is mine for g, mine in zip(current, self.grads)):
+            accumulate_(self.grad_buffer, part)  # every .grad is still a view of ours: one fused pass
+            return
+        if all(g is None for g in current):
+            buf = part if part.dtype == torch.float32 else part.float()  # part is ours: no copy
+            self.grad_buffer = buf
+            self.grads = [dtensor(s.local(buf), s.spec) for s in self.slices]
+            for s, g in zip(self.slices, self.grads):
+                s.param.grad = g
+            return
+        self.grad_buffer, self.grads = None, []  # someone set or dropped some: one at a time
+        for s, g in zip(self.slices, current):
+            piece = s.local(part)
+            if g is None:
+                s.param.grad = dtensor(piece.float().clone(), s.spec)
+            else:
+                g._local_tensor.add_(piece)
 
 
 # --- gather ---------------------------------------------------------------------------------
 
 
 @torch.library.custom_op("tracedac::all_gather", mutates_args=())
-def all_gather(shard: torch.Tensor, flat: int) -> torch.Tensor:
-    """The full flat parameters of group ``flat``: every rank's shard, cast to the travel dtype."""
-    return flat_of(flat).gather(shard)
+def all_gather(shard: torch.Tensor, flat: str) -> torch.Tensor:
+    """The full parameters of group ``flat``, parameter after parameter, in its travel dtype."""
+    return group_of(flat).gather(shard)
 
 
 @all_gather.register_fake
 def _all_gather_fake(shard, flat):
-    f = flat_of(flat)
-    return shard.new_empty(f.world * f.shard_numel, dtype=f.dtype)
+    g = group_of(flat)
+    return shard.new_empty(g.world * g.shard_numel, dtype=g.dtype)
 
 
 def _all_gather_setup(ctx, inputs, output):
-    ctx.shard, ctx.flat = inputs  # the shard Parameter itself: backward adds into its .grad
+    ctx.flat = inputs[1]
 
 
 def _all_gather_backward(ctx, grad):
-    """Reduce-scatter the full gradient; add this rank's part into the fp32 shard's .grad."""
-    part = torch.ops.tracedac.reduce_scatter(grad, ctx.flat)
-    shard = ctx.shard
-    if shard.grad is None:
-        shard.grad = torch.zeros_like(shard, memory_format=torch.contiguous_format)
-    accumulate_(shard.grad, part)
-    # None: the gradient is in .grad already. Returning it would make autograd add it a
-    # second time, and do in fp32 what accumulate_ does with the upcast fused.
+    """Reduce-scatter the full gradient; add this rank's part into the parameters' .grad."""
+    group = group_of(ctx.flat)
+    if not group.sync:
+        group.hold(grad)
+        return None, None
+    part = torch.ops.tracedac.reduce_scatter(group.take_held(grad), ctx.flat)
+    group.add_grad(part)
+    # None: the gradient is in the parameters' .grad already (DTensors; the op's input is a
+    # plain leaf over the same storage, which never gets a .grad).
     return None, None
 
 
@@ -214,15 +314,15 @@ all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_set
 
 
 @torch.library.custom_op("tracedac::reduce_scatter", mutates_args=())
-def reduce_scatter(grad: torch.Tensor, flat: int) -> torch.Tensor:
+def reduce_scatter(grad: torch.Tensor, flat: str) -> torch.Tensor:
     """This rank's part of ``grad`` summed over ranks / world, in the reduce dtype."""
-    return flat_of(flat).reduce_scatter(grad)
+    return group_of(flat).reduce_scatter(grad)
 
 
 @reduce_scatter.register_fake
 def _reduce_scatter_fake(grad, flat):
-    f = flat_of(flat)
-    return grad.new_empty(f.shard_numel, dtype=f.reduce_dtype)
+    g = group_of(flat)
+    return grad.new_empty(g.shard_numel, dtype=g.reduce_dtype)
 
 
 def _reduce_scatter_setup(ctx, inputs, output):
@@ -231,10 +331,11 @@ def _reduce_scatter_setup(ctx, inputs, output):
 
 def _reduce_scatter_backward(ctx, grad):
     """The adjoint of sum-then-divide: every rank's part, all-gathered, divided by world."""
-    f = flat_of(ctx.flat)
-    out = grad.new_empty(f.world * f.shard_numel)
-    f.wait(_all_gather(out, grad.contiguous(), group=f.group, async_op=True), "all-gather (reduce-scatter backward)")
-    return out.div_(f.world).to(ctx.dtype), None
+    g = group_of(ctx.flat)
+    g.agree("adjoint all-gather")
+    out = grad.new_empty(g.world * g.shard_numel)
+    g.wait(_all_gather(out, grad.contiguous(), group=g.group, async_op=True), "all-gather (reduce-scatter backward)")
+    return to_param_major(out.div_(g.world), g.slices, g.world).to(ctx.dtype), None
 
 
 reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce_scatter_setup)
@@ -244,7 +345,7 @@ reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce
 
 
 @torch.library.custom_op("tracedac::release", mutates_args=())
-def release(full: torch.Tensor, flat: int) -> None:
+def release(full: torch.Tensor, flat: str) -> None:
     """Forget the unit's reference to a gathered buffer: its storage goes with its last view."""
     entry = _LIVE.pop(_address(full), None)
     if entry is not None:
@@ -267,7 +368,7 @@ class Gathered:
 
     __slots__ = ("flat", "full", "alive", "remaining", "round", "cached", "__weakref__")
 
-    def __init__(self, flat: FlatParam, full: torch.Tensor):
+    def __init__(self, flat: FlatGroup, full: torch.Tensor):
         self.flat = flat
         self.full = full  # until release
         self.alive = 0  # handles not yet garbage collected
@@ -284,7 +385,7 @@ class Gathered:
     def regather(self) -> torch.Tensor:
         if self.cached is None:
             with torch.no_grad():
-                self.cached = torch.ops.tracedac.all_gather(self.flat.shard, self.flat.key)
+                self.cached = torch.ops.tracedac.all_gather(self.flat.leaf, self.flat.key)
         return self.cached
 
     def done(self, handle: Handle, dropped: bool) -> None:

@@ -1,10 +1,12 @@
-"""``shard()``: flat fp32 shards per unit, and the forward hooks that gather and release them.
+"""``shard()``: each parameter becomes its rank's ``Shard(0)`` DTensor; units gather and release.
 
 A *unit* is a module whose parameters are gathered together (by default each child of a
-``ModuleList``; everything else forms the root unit). Its pre-hook all-gathers its flat
-groups (``tracedac::all_gather``) and sets each parameter attribute to a view of the
-gathered buffer; its post-hook puts meta-device placeholders back and calls
-``tracedac::release``, so after the forward no full parameter is referenced by the model.
+``ModuleList``; everything else forms the root unit). Its parameters stay registered where
+they were, as DTensors viewing one flat fp32 buffer per group (``layout``). Its pre-hook
+all-gathers its groups (``tracedac::all_gather``) and shadows each parameter attribute
+with a view of the gathered buffer (an instance ``__dict__`` entry wins over
+``_parameters``); its post-hook removes the shadows, so the attribute reads the DTensor
+again, and calls ``tracedac::release``: after the forward no full parameter is referenced.
 
 What autograd saves on a gathered buffer (``mm`` keeps its weight) becomes a ``Handle``:
 outside checkpoint regions through this module's ``saved_tensors_hooks``, inside them
@@ -14,19 +16,21 @@ through the region's own (the gather is a recorded node there, replayed in backw
 from __future__ import annotations
 
 import datetime
+import threading
+import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..checkpoint import current_region, module_matcher
 from .errors import ZeroError
-from .ops import FlatParam, Gathered, Handle, Prefetch, handle_for
+from .layout import make_slices, spec_for
+from .ops import FlatGroup, Gathered, Handle, Prefetch, handle_for
 
-__all__ = ["MixedPrecision", "shard", "sharded"]
-
-FLAT_PREFIX = "_tracedac_flat"
+__all__ = ["MixedPrecision", "ZeroModule", "shard", "sharded"]
 
 
 @dataclass(frozen=True)
@@ -54,16 +58,14 @@ class MixedPrecision:
 
 
 class _Slot:
-    """One module attribute that reads a sharded parameter: where, and which piece of which flat."""
+    """One module attribute that reads a sharded parameter: where, and which piece of which group."""
 
-    __slots__ = ("module", "attr", "fqn", "flat", "piece", "shape", "placeholder")
+    __slots__ = ("module", "attr", "group", "piece")
 
-    def __init__(self, module, attr, fqn, flat, piece, shape, placeholder):
-        self.module, self.attr, self.fqn = module, attr, fqn
-        self.flat = flat  # index into the unit's gathered flats
-        self.piece = piece  # index of the parameter in that flat's split
-        self.shape = shape
-        self.placeholder = placeholder
+    def __init__(self, module, attr, group, piece):
+        self.module, self.attr = module, attr
+        self.group = group  # index into the unit's gathered groups
+        self.piece = piece  # index of the parameter in that group
 
 
 class Unit:
@@ -72,8 +74,8 @@ class Unit:
     def __init__(self, name: str, module: nn.Module):
         self.name = name
         self.module = module
-        self.own: list[FlatParam] = []  # flat groups this unit owns (its shards)
-        self.flats: list[FlatParam] = []  # groups it gathers: its own, then borrowed (shared params)
+        self.own: list[FlatGroup] = []  # groups this unit owns (its shards)
+        self.groups: list[FlatGroup] = []  # groups it gathers: its own, then borrowed (shared params)
         self.slots: list[_Slot] = []
         self.active: list = []  # (gathered, hooks) per forward call running
         self.state: Prefetch | None = None  # the root unit's only: its forward starts a new order of gathers
@@ -81,28 +83,63 @@ class Unit:
     def pre(self, module, args):
         if self.state is not None:
             self.state.begin(backward=False)  # a new forward: its gathers count from 0 again
-        gathered = [Gathered(f, torch.ops.tracedac.all_gather(f.shard, f.key)) for f in self.flats]
-        pieces = [g.full.split_with_sizes(g.flat.sizes) for g in gathered]
+        self.enter()
+
+    def post(self, module, args, output):
+        self.exit()
+
+    def enter(self) -> None:
+        """Gather the unit's groups and shadow each parameter attribute with its full view."""
+        if any(g.summoned for g in self.groups):
+            raise ZeroError(
+                f"forward of {self.name or 'the model'} inside tracedac.zero.full_parameters(): the "
+                "full parameters are plain tensors there and would not be gathered or reduced. "
+                "Run forward outside the with block."
+            )
+        gathered = [Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key)) for g in self.groups]
         for s in self.slots:
-            s.module.__dict__[s.attr] = pieces[s.flat][s.piece].view(s.shape)
+            g = gathered[s.group]
+            s.module.__dict__[s.attr] = g.flat.slices[s.piece].full(g.full, g.flat.world)
         hooks = None
-        if torch.is_grad_enabled() and current_region() is None:
-            # Inside a checkpoint region the region's hooks (innermost wins) already turn
-            # the gathered weights into handles on the recorded gather node.
+        if (torch.is_grad_enabled() and current_region() is None
+                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
+            # Only when no other pair is active. A tracedac region turns gathered weights
+            # into handles on its recorded gather node; torch.utils.checkpoint saves nothing
+            # and re-runs the forward, which gathers again. Innermost wins, so pushing ours
+            # would take their saved tensors from them.
             hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
             hooks.__enter__()
         self.active.append((gathered, hooks))
 
-    def post(self, module, args, output):
+    def exit(self) -> None:
         if not self.active:
             return
         gathered, hooks = self.active.pop()
         if hooks is not None:
             hooks.__exit__(None, None, None)
-        for s in self.slots:
-            s.module.__dict__[s.attr] = s.placeholder
+        for s in self.slots:  # the attribute reads the DTensor parameter again
+            s.module.__dict__.pop(s.attr, None)
         for g in gathered:
             torch.ops.tracedac.release(g.full, g.flat.key)
+
+
+class _Lazy:
+    """A module inside a unit, run while its unit is not (``torch.utils.checkpoint`` re-running
+    it in backward, or a direct call): gathers the unit around this module's forward."""
+
+    def __init__(self, unit: Unit):
+        self.unit = unit
+        self.entered: list = []
+
+    def pre(self, module, args):
+        lazy = not self.unit.active
+        if lazy:
+            self.unit.enter()
+        self.entered.append(lazy)
+
+    def post(self, module, args, output):
+        if self.entered and self.entered.pop():
+            self.unit.exit()
 
 
 def _pack(t: torch.Tensor):
@@ -132,26 +169,129 @@ class _Autocast:
 
 
 class Sharded:
-    """What ``shard()`` did to a model: its units, flat groups and original state_dict keys."""
+    """What one ``shard()`` call did: its units and groups, and the shards nested in it."""
 
-    def __init__(self, group, units, keys, param_fqns, mixed_precision):
+    def __init__(self, module, group, units, groups, mixed_precision, mesh, state, children):
+        self.module = module
         self.group = group
-        self.units = units
-        self.flats = [f for u in units for f in u.own]
-        self.keys = keys  # the unsharded model's state_dict keys, in order
-        self.param_fqns = param_fqns  # the keys that are parameters
+        self.units = units  # the units with hooks
+        self.groups = groups  # the flat groups this call made
         self.mixed_precision = mixed_precision
-        self.mesh = None  # a DeviceMesh over group, made for sharded state dicts
+        self.mesh = mesh
+        self.state = state
+        self.children = children  # Sharded of submodules sharded before (FSDP2's nesting)
+        self.parent: Sharded | None = None
+
+    @property
+    def all_groups(self) -> list:
+        return [g for c in self.children for g in c.all_groups] + self.groups
+
+    @property
+    def all_units(self) -> list:
+        return [u for c in self.children for u in c.all_units] + self.units
+
+    def adopt(self, child: Sharded, prefix: str) -> None:
+        """Run ``child``'s gathers in this model's order of gathers (one prefetch chain); name
+        its groups from this model (``prefix``: the child's qualified name here)."""
+        child.parent = self
+        for g in child.all_groups:
+            g.state = self.state
+            g.name = g.name.replace("unit '", f"unit '{prefix}.", 1).replace(".<root>'", "'", 1)
+            g.crc = zlib.crc32(g.name.encode())
+        for u in child.all_units:
+            u.state = None
 
 
 def sharded(module) -> Sharded:
-    z = getattr(module, "_tracedac_zero", None) if isinstance(module, nn.Module) else None
+    z = module.__dict__.get("_tracedac_zero") if isinstance(module, nn.Module) else None
     if z is None:
         raise ZeroError(
             f"{type(module).__name__} is not sharded by tracedac.zero; call "
             "tracedac.zero.shard(model) first (on the model itself, not a submodule)."
         )
     return z
+
+
+class ZeroModule:
+    """Mixed into the class of every module ``shard()`` was called on (as FSDP2's ``FSDPModule``)."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Reduce gradients in backward (True, the default) or accumulate them unsharded on
+        each rank (False: no communication in backward, one full gradient held per group)
+        until a backward with sync on reduces the sum. FSDP2's name and meaning."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync takes True or False, got {requires_gradient_sync!r}")
+        z = sharded(self)
+        for g in z.all_groups if recurse else z.groups:
+            g.sync = requires_gradient_sync
+
+    def _apply(self, fn, recurse=True):
+        """``to_empty``, ``.to(device)`` move the flat buffers and rebuild the DTensors over them;
+        a dtype change (``.to(dtype)``, ``.half()``) is refused before anything changes."""
+        z = self.__dict__.get("_tracedac_zero")
+        root = z is not None
+        z = z or self.__dict__["_tracedac_zero_unit_of"]
+        if getattr(_applying, "on", False):
+            return super()._apply(fn, recurse)  # an enclosing shard's _apply moves our groups
+        groups = z.all_groups
+        moved = [fn(g.local) for g in groups]
+        for g, new in zip(groups, moved):
+            if new.dtype != g.local.dtype:
+                raise ZeroError(
+                    f"{type(self).__name__} is sharded by tracedac.zero, which keeps fp32 shards "
+                    f"and casts them when gathering; converting them to {new.dtype} is refused. "
+                    "Pass mixed_precision=MixedPrecision(param_dtype=...) to shard() instead, "
+                    "or convert the model before sharding it."
+                )
+        if not root and any(new is not g.local for g, new in zip(groups, moved)):
+            raise ZeroError(
+                f"{type(self).__name__} is a unit of a model sharded by tracedac.zero; move the "
+                f"model shard() was called on ({type(z.module).__name__}), whose shards move together."
+            )
+        uses = [(m, attr) for g in groups for s in g.slices for m, attr in s.uses]
+        for m, attr in uses:
+            m._parameters.pop(attr, None)
+        _applying.on = True
+        try:
+            super()._apply(fn, recurse)  # buffers and anything that is not a shard
+        finally:
+            _applying.on = False
+            for g, new in zip(groups, moved):
+                if new is not g.local:
+                    if new.device != g.local.device and new.device.type != z.mesh.device_type:
+                        z.mesh = _mesh(g.group, new.device)
+                        for s in g.slices:
+                            s.spec = spec_for(z.mesh, s.shape)
+                    if g.local.is_meta:
+                        new.zero_()  # to_empty: the padding must hold zeros
+                    g.bind(new)  # new DTensor parameters: build the optimizer after moving
+                else:
+                    for s in g.slices:
+                        for m, attr in s.uses:
+                            m._parameters[attr] = s.param
+        return self
+
+
+_applying = threading.local()
+
+
+def _as_zero_module(module: nn.Module) -> None:
+    cls = module.__class__
+    if not issubclass(cls, ZeroModule):
+        module.__class__ = _ZERO_CLASSES.get(cls) or _ZERO_CLASSES.setdefault(
+            cls, type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__}))
+
+
+_ZERO_CLASSES: dict = {}
+
+
+def _mesh(group, device: torch.device):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    kind = device.type
+    if kind == "meta":  # built on meta: the mesh is where the collectives will run
+        kind = "cuda" if "nccl" in str(dist.get_backend(group)) else "cpu"
+    return DeviceMesh.from_group(group, kind)
 
 
 def _unit_matcher(units):
@@ -223,22 +363,44 @@ def _check_same_models(meta: list, group) -> None:
         )
 
 
+def _nested(module: nn.Module, uses) -> list[Sharded]:
+    """The shards of submodules made before this call; refuse parameters sharded elsewhere."""
+    if module.__dict__.get("_tracedac_zero") is not None:
+        raise ZeroError(f"{type(module).__name__} is already sharded by tracedac.zero; shard it once.")
+    inner = [m.__dict__["_tracedac_zero"] for m in module.modules() if "_tracedac_zero" in m.__dict__]
+    children = [z for z in inner if z.parent is None]
+    mine = {id(g) for z in inner for g in z.all_groups}
+    for u in uses:
+        g = getattr(u.param, "_tracedac_group", None)
+        if g is not None and id(g) not in mine:
+            raise ZeroError(
+                f"parameter {u.fqn!r} is already sharded, by a shard() call on a module that "
+                f"encloses {type(module).__name__} (its {g.name}). Shard inner modules first, "
+                "then the model that contains them (FSDP2's order): each parameter goes to the "
+                "innermost shard() call, the outer one takes what the inner ones did not."
+            )
+    return children
+
+
 def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPrecision | None = None,
           prefetch: bool = True, timeout=None) -> nn.Module:
     """Shard ``module``'s parameters in place across ``group`` (ZeRO-3); returns ``module``.
 
+    Every parameter stays where it was, under its name, as its rank's ``Shard(0)`` piece: a
+    ``DTensor`` (``.full_tensor()`` is its value), so optimizers, parameter groups, state
+    dicts and ``torch.distributed.checkpoint`` see the model's own parameters.
+
     ``units``: classes, or a predicate ``(qualified_name, module) -> bool``, choosing the
     modules whose parameters are gathered together (default: each child of a
-    ``ModuleList``; the rest form a root unit). Each rank keeps one flat fp32 shard per
-    unit and group of parameters (by travel dtype and ``requires_grad``), padded to a
-    multiple of the world size; they are the module's ``parameters()``. Ranks must hold
-    the same values before sharding (same seed), as with FSDP. ``timeout`` (seconds or a
-    timedelta) bounds every wait on a collective: a rank that dies makes the others raise.
+    ``ModuleList``; the rest form a root unit). A unit's parameters of one travel dtype and
+    ``requires_grad`` share one flat fp32 buffer per rank (one all-gather). Submodules
+    sharded before keep their parameters (FSDP2's nesting: shard the blocks, then the
+    model). Ranks must hold the same values before sharding (same seed), or load after.
+    ``timeout`` (seconds or a timedelta) bounds every wait on a collective: a rank that
+    dies makes the others raise.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
-    if getattr(module, "_tracedac_zero", None) is not None:
-        raise ZeroError(f"{type(module).__name__} is already sharded by tracedac.zero; shard it once.")
     if not (dist.is_available() and dist.is_initialized()):
         raise ZeroError(
             "tracedac.zero.shard() needs a torch.distributed process group, and none is "
@@ -256,24 +418,29 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
         raise TypeError(f"shard(prefetch=...) takes True or False, got {prefetch!r}")
     timeout = _timeout(timeout)
     chosen = _choose_units(module, _unit_matcher(units))
-    keys = list(module.state_dict().keys())
-    uses = _uses(module, chosen)
+    all_uses = _uses(module, chosen)
+    children = _nested(module, all_uses)
+    uses = [u for u in all_uses if getattr(u.param, "_tracedac_group", None) is None]
     # Compared before anything a rank could refuse alone: a rank raising early would
     # leave the others waiting in this collective.
     meta = [(u.unit, u.fqn, tuple(u.param.shape), str(u.param.dtype), u.param.requires_grad) for u in uses]
     _arrive(group, timeout)
     _check_same_models(meta, group)
     for u in uses:
-        if u.param.dtype != torch.float32 or u.param.is_sparse:
+        if u.param.dtype != torch.float32 or u.param.is_sparse or u.param.dim() == 0 or isinstance(u.param, DTensor):
+            what = ("a DTensor already" if isinstance(u.param, DTensor) else "0-dimensional" if u.param.dim() == 0
+                    else f"{u.param.dtype}{' sparse' if u.param.is_sparse else ''}")
             raise ZeroError(
-                f"parameter {u.fqn!r} is {u.param.dtype}{' sparse' if u.param.is_sparse else ''}; shard() "
-                "keeps dense fp32 shards. Build the model in float32 and pass mixed_precision="
-                "MixedPrecision(...) to compute in bf16."
+                f"parameter {u.fqn!r} is {what}; shard() keeps dense fp32 parameters of at least one "
+                "dimension as Shard(0) pieces. Build the model in float32 (pass mixed_precision="
+                "MixedPrecision(...) to compute in bf16) and give a scalar parameter the shape (1,)."
             )
+    device = uses[0].param.device if uses else torch.device("cpu")
+    mesh = _mesh(group, device)
     modules = {"": module, **{name: module.get_submodule(name) for name in chosen.values()}}
     units_by_name = {name: Unit(name, m) for name, m in modules.items()}
     state = Prefetch(prefetch)
-    owner = _make_flats(uses, units_by_name, group, mixed_precision, timeout, state)
+    owner = _make_groups(uses, units_by_name, group, mesh, mixed_precision, timeout, state)
     _attach(uses, units_by_name, owner)
     # The root is hooked even with no parameters of its own: its forward marks a new step.
     active = [u for u in units_by_name.values() if u.slots or not u.name]
@@ -281,14 +448,27 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     for unit in active:
         unit.module.register_forward_pre_hook(unit.pre)
         unit.module.register_forward_hook(unit.post, always_call=True)
+        for m in {id(s.module): s.module for s in unit.slots if s.module is not unit.module}.values():
+            lazy = _Lazy(unit)
+            m.register_forward_pre_hook(lazy.pre)
+            m.register_forward_hook(lazy.post, always_call=True)
     mp = mixed_precision
     if mp is not None:
-        device_type = uses[0].param.device.type if uses else "cpu"
-        autocast = _Autocast(device_type, mp.param_dtype)
+        autocast = _Autocast(device.type, mp.param_dtype)
         for m in {id(u.module): u.module for u in uses if isinstance(u.module, mp.low_precision_modules)}.values():
             m.register_forward_pre_hook(autocast.pre)
             m.register_forward_hook(autocast.post, always_call=True)
-    module._tracedac_zero = Sharded(group, active, keys, [u.fqn for u in uses], mp)
+    groups = [g for u in units_by_name.values() for g in u.own]
+    z = Sharded(module, group, active, groups, mp, mesh, state, children)
+    names = {id(m): name for name, m in module.named_modules()}
+    for child in children:
+        z.adopt(child, names[id(child.module)])
+    for unit in active:  # a unit's .to(dtype) / .half() must raise at the call too
+        if unit.module is not module:
+            _as_zero_module(unit.module)
+            unit.module.__dict__["_tracedac_zero_unit_of"] = z
+    _as_zero_module(module)
+    module.__dict__["_tracedac_zero"] = z
     return module
 
 
@@ -318,8 +498,8 @@ def _uses(module: nn.Module, chosen: dict) -> list[_Use]:
     return uses
 
 
-def _make_flats(uses, units: dict, group, mp, timeout, state) -> dict:
-    """Each unit's flat groups and this rank's shards of them; returns id(param) -> (flat, piece).
+def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
+    """Each unit's flat groups, their buffers and DTensor parameters; returns id(param) -> (group, piece).
 
     A parameter belongs to the unit it first appears in, and travels in ``param_dtype``
     only if every module reading it is low precision.
@@ -329,59 +509,50 @@ def _make_flats(uses, units: dict, group, mp, timeout, state) -> dict:
     for u in uses:
         is_low = mp is not None and isinstance(u.module, mp.low_precision_modules)
         low[id(u.param)] = low.get(id(u.param), True) and is_low
-    members: dict[tuple, list] = {}  # (unit, dtype, requires_grad) -> params, in order
+    members: dict[tuple, list] = {}  # (unit, dtype, requires_grad) -> first uses, in order
     first: set[int] = set()
     for u in uses:
         if id(u.param) not in first:
             first.add(id(u.param))
             dtype = mp.param_dtype if low[id(u.param)] else torch.float32
-            members.setdefault((u.unit, dtype, u.param.requires_grad), []).append(u.param)
+            members.setdefault((u.unit, dtype, u.param.requires_grad), []).append(u)
     owner = {}
-    for (name, dtype, requires_grad), params in members.items():
+    for (name, dtype, requires_grad), firsts in members.items():
         unit = units[name]
-        sizes = [p.numel() for p in params]
-        numel = sum(sizes)
-        per_rank = -(-numel // world)  # padded to a multiple of the world size
-        with torch.no_grad():
-            full = torch.cat([p.detach().reshape(-1) for p in params] + [params[0].new_zeros(per_rank * world - numel)])
-            shard_param = nn.Parameter(full[rank * per_rank:(rank + 1) * per_rank].clone(), requires_grad=requires_grad)
-        index = len(unit.own)
-        unit.module.register_parameter(f"{FLAT_PREFIX}{index}", shard_param)
+        params = [u.param for u in firsts]
+        slices, numel = make_slices([u.fqn for u in firsts], [p.shape for p in params], world, rank)
+        local = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
+        if not local.is_meta:
+            with torch.no_grad():
+                for s, p in zip(slices, params):
+                    s.local(local).copy_(s.rows_of(p.detach(), rank, world))
+        for s in slices:
+            s.spec = spec_for(mesh, s.shape)
         kind = f"{'trainable' if requires_grad else 'frozen'} {str(dtype).removeprefix('torch.')}"
-        flat = FlatParam(f"unit {name or '<root>'!r} ({kind} parameters)", shard_param, numel, dtype,
-                         mp.reduce_dtype if mp is not None else torch.float32, group, timeout, state)
-        flat.sizes = sizes + [per_rank * world - numel]  # how the gathered buffer splits
-        flat.fqn = f"{name}.{FLAT_PREFIX}{index}" if name else f"{FLAT_PREFIX}{index}"
-        flat.params = []  # (every key of the parameter, offset, shape): for state dicts
-        offset = 0
+        g = FlatGroup(f"unit {name or '<root>'!r} ({kind} parameters)", slices, numel, requires_grad, dtype,
+                      mp.reduce_dtype if mp is not None else torch.float32, group, timeout, state)
+        g.local = local  # bound (DTensors made) once _attach knows every place each is held
         for piece, p in enumerate(params):
-            owner[id(p)] = (flat, piece)
-            flat.params.append(([], offset, tuple(p.shape)))
-            offset += p.numel()
-        unit.own.append(flat)
+            owner[id(p)] = (g, piece)
+        unit.own.append(g)
     return owner
 
 
 def _attach(uses, units: dict, owner: dict) -> None:
-    """Point every use at its piece of a gathered group; replace the parameters by placeholders."""
+    """Point every use at its piece of a gathered group; put the DTensor parameters in place."""
     for unit in units.values():
-        unit.flats = list(unit.own)
-    placeholders: dict[int, torch.Tensor] = {}
+        unit.groups = list(unit.own)
     done: set = set()
     for u in uses:
         unit = units[u.unit]
-        flat, piece = owner[id(u.param)]
-        flat.params[piece][0].append(u.fqn)
+        g, piece = owner[id(u.param)]
         if (id(u.module), u.attr) in done:
             continue  # a module reached twice (shared): one attribute, set by its first unit
         done.add((id(u.module), u.attr))
-        if flat not in unit.flats:
-            unit.flats.append(flat)  # a parameter shared with an earlier unit: gather its group too
-        shape = tuple(u.param.shape)
-        placeholder = placeholders.get(id(u.param))
-        if placeholder is None:  # shape readable, no memory, fails loudly if computed with
-            placeholder = placeholders[id(u.param)] = torch.empty(shape, dtype=u.param.dtype, device="meta")
-        unit.slots.append(_Slot(u.module, u.attr, u.fqn, unit.flats.index(flat), piece, shape, placeholder))
-    for u in uses:
-        u.module._parameters.pop(u.attr, None)
-        u.module.__dict__[u.attr] = placeholders[id(u.param)]
+        g.slices[piece].uses.append((u.module, u.attr))
+        if g not in unit.groups:
+            unit.groups.append(g)  # a parameter shared with an earlier unit: gather its group too
+        unit.slots.append(_Slot(u.module, u.attr, unit.groups.index(g), piece))
+    for unit in units.values():
+        for g in unit.own:
+            g.bind(g.local)

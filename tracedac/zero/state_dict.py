@@ -1,34 +1,38 @@
-"""State dicts of a sharded model: full (the unsharded model's keys) and sharded (for DCP).
+"""State dicts of a sharded model, under the model's own keys.
 
-The sharded form holds one DTensor per flat group, sharded on dim 0 over the group, of the
-group's unpadded length. Padding never reaches the checkpoint, and the per-rank pieces
-follow DTensor's even chunking (``ceil(numel / world)`` each, the last ones shorter or
-empty), which is exactly the shard layout, so ``torch.distributed.checkpoint`` can load a
-checkpoint into a model sharded over another number of ranks.
+Sharded (for resuming, on any world size): the parameters *are* ``Shard(0)`` DTensors, so
+``model.state_dict()``, torch's ``get_state_dict`` / ``set_state_dict`` and
+``torch.distributed.checkpoint`` work unchanged, optimizer state included, and DCP
+reshards a checkpoint to another number of ranks. ``save_checkpoint`` /
+``load_checkpoint`` are those standard calls in a row, plus one check DCP does not make:
+a checkpoint entry of another dtype than the model's would be cast silently by
+``dcp.load``; here it raises, as a missing entry or another shape does, naming the key.
+
+Full (the unsharded model's tensors, for a plain model or a single file):
+``full_state_dict`` / ``load_full_state_dict``, one all-gather per group.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
 
 from .errors import ZeroError
-from .shard import FLAT_PREFIX, sharded
+from .shard import sharded
 
-__all__ = ["full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict"]
-
-
-def _buffers(module) -> dict:
-    """The model's own state_dict entries other than the flat shards: buffers, extra state."""
-    return {k: v for k, v in module.state_dict().items() if FLAT_PREFIX not in k.rpartition(".")[2]}
+__all__ = ["full_state_dict", "load_checkpoint", "load_full_state_dict", "save_checkpoint"]
 
 
-def _gather_fp32(flat) -> torch.Tensor:
-    out = torch.empty(flat.world * flat.shard_numel, dtype=torch.float32, device=flat.shard.device)
-    from .ops import _all_gather
-
-    flat.wait(_all_gather(out, flat.shard.detach(), group=flat.group, async_op=True), "all-gather (state dict)")
-    return out
+def _full_parameters(module) -> dict:
+    """id(DTensor parameter) -> its full fp32 value (views of one gathered buffer per group)."""
+    values = {}
+    for g in sharded(module).all_groups:
+        padded = g.gather_fp32()
+        for s in g.slices:
+            values[id(s.param)] = s.full(padded, g.world)
+    return values
 
 
 @torch.no_grad()
@@ -36,24 +40,29 @@ def full_state_dict(module, *, rank0_only: bool = False) -> dict:
     """Full fp32 parameters and the buffers, under the unsharded model's keys and order.
 
     A snapshot: every tensor is a copy (buffers too, unlike ``nn.Module.state_dict``), so
-    training on does not change it. A collective: every rank must call it. With
-    ``rank0_only`` other ranks get ``{}``.
+    training on does not change it; a parameter shared under two keys is one tensor, as
+    torch's state dicts have it. A collective: every rank must call it. With ``rank0_only``
+    other ranks get ``{}``.
     """
     z = sharded(module)
-    values = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in _buffers(module).items()}
-    for flat in z.flats:
-        full = _gather_fp32(flat)
-        for fqns, offset, shape in flat.params:
-            n = torch.Size(shape).numel()
-            value = full[offset:offset + n].view(shape).clone()
-            for fqn in fqns:
-                values[fqn] = value  # shared parameters: one tensor under each key, as torch does
+    full = _full_parameters(module)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    copies: dict = {}
+    out = {}
+    for key, value in module.state_dict().items():
+        p = params.get(key)
+        if p is not None and id(p) in full:
+            if id(p) not in copies:
+                copies[id(p)] = full[id(p)].clone()
+            out[key] = copies[id(p)]
+        else:
+            out[key] = value.clone() if isinstance(value, torch.Tensor) else value
     if rank0_only and dist.get_rank(z.group) != 0:
         return {}
-    return {k: values[k] for k in z.keys}
+    return out
 
 
-def _check_keys(z, state_dict, expected) -> None:
+def _check_keys(state_dict, expected) -> None:
     if not isinstance(state_dict, dict):
         raise TypeError(f"expected a state dict (a dict of tensors), got {type(state_dict).__name__}")
     missing = [k for k in expected if k not in state_dict]
@@ -62,83 +71,90 @@ def _check_keys(z, state_dict, expected) -> None:
         raise ZeroError(
             f"state dict does not match the sharded model: missing keys {missing[:5]}, unexpected "
             f"keys {unexpected[:5]}{' (and more)' if len(missing) > 5 or len(unexpected) > 5 else ''}. "
-            "A full state dict uses the unsharded model's keys (full_state_dict); a sharded one "
-            "comes from sharded_state_dict."
+            "A full state dict uses the unsharded model's keys, as full_state_dict makes it."
         )
 
 
 @torch.no_grad()
 def load_full_state_dict(module, state_dict: dict) -> None:
-    """Load a full state dict (the unsharded model's keys): each rank keeps its shard of it."""
-    z = sharded(module)
-    _check_keys(z, state_dict, z.keys)
-    for flat in z.flats:
-        lo = flat.rank * flat.shard_numel
-        full = torch.zeros(flat.world * flat.shard_numel, dtype=torch.float32, device=flat.shard.device)
-        for fqns, offset, shape in flat.params:
-            value = state_dict[fqns[0]]
-            if tuple(value.shape) != shape:
-                raise ZeroError(
-                    f"state dict entry {fqns[0]!r} has shape {tuple(value.shape)} but the parameter "
-                    f"is {shape}; load a state dict saved from this model."
-                )
-            full[offset:offset + value.numel()].copy_(value.reshape(-1))
-        flat.shard.copy_(full[lo:lo + flat.shard_numel])  # in place: bumps the version, drops stale prefetches
-    buffers = {k: state_dict[k] for k in _buffers(module)}
-    module.load_state_dict(buffers, strict=False)
-
-
-def _mesh(z):
-    if z.mesh is None:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        device = z.flats[0].shard.device.type if z.flats else "cpu"
-        z.mesh = DeviceMesh.from_group(z.group, device)
-    return z.mesh
-
-
-def _valid(flat) -> int:
-    """How many of this rank's shard elements are parameters rather than padding."""
-    return max(0, min(flat.shard_numel, flat.numel - flat.rank * flat.shard_numel))
-
-
-def sharded_state_dict(module) -> dict:
-    """``{flat group key: DTensor of its unpadded flat, Shard(0)}`` plus buffers, for DCP.
-
-    The DTensors view the shards: ``torch.distributed.checkpoint.load`` into this dict
-    writes the model's parameters; call :func:`load_sharded_state_dict` after it anyway,
-    which copies whatever did not land in place.
-    """
-    from torch.distributed.tensor import DTensor, Shard
-
-    z = sharded(module)
-    mesh = _mesh(z)
-    values = {}
-    for flat in z.flats:
-        local = flat.shard.detach()[:_valid(flat)]
-        values[flat.fqn] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                              shape=torch.Size([flat.numel]), stride=(1,))
-    values.update(_buffers(module))
-    return values
-
-
-@torch.no_grad()
-def load_sharded_state_dict(module, state_dict: dict) -> None:
-    """Load what :func:`sharded_state_dict` made (after ``dcp.load`` filled it)."""
-    from torch.distributed.tensor import DTensor
-
-    z = sharded(module)
-    buffers = _buffers(module)
-    _check_keys(z, state_dict, [f.fqn for f in z.flats] + list(buffers))
-    for flat in z.flats:
-        value = state_dict[flat.fqn]
-        local = value.to_local() if isinstance(value, DTensor) else value
-        n = _valid(flat)
-        if tuple(local.shape) != (n,):
+    """Load a full state dict (the unsharded model's keys): each rank keeps its rows of each
+    parameter. Every rank passes the same full values (for rank 0's only, use torch's
+    ``set_model_state_dict(..., options=StateDictOptions(full_state_dict=True,
+    broadcast_from_rank0=True))``)."""
+    sharded(module)
+    _check_keys(state_dict, list(module.state_dict()))
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for key, p in params.items():
+        g = getattr(p, "_tracedac_group", None)
+        if g is None:
+            continue
+        value = state_dict[key]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape) or value.dtype != p.dtype:
+            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
             raise ZeroError(
-                f"sharded state dict entry {flat.fqn!r} holds {tuple(local.shape)} elements on rank "
-                f"{flat.rank}, the shard needs ({n},); make it with sharded_state_dict(model) on "
-                "this model and fill it with torch.distributed.checkpoint.load."
+                f"state dict entry {key!r} is {got} but the parameter is {tuple(p.shape)} {p.dtype}; "
+                "load a state dict saved from this model."
             )
-        flat.shard[:n].copy_(local)
-    module.load_state_dict({k: state_dict[k] for k in buffers}, strict=False)
+        s = p._tracedac_slice
+        s.local(g.local).copy_(s.rows_of(value, g.rank, g.world))
+    module.load_state_dict({k: v for k, v in state_dict.items() if k not in params}, strict=False)
+
+
+def _state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    sharded(model)
+    optimizers = () if optimizer is None else optimizer
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    return {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+
+
+def save_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> None:
+    """``dcp.save`` of ``get_state_dict(model, optimizer)`` under ``"model"`` and ``"optim"``:
+    the model's own keys, each rank writing its shards. A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id, process_group=sharded(model).group)
+
+
+def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> None:
+    """Resume ``model`` (and ``optimizer``) from ``save_checkpoint``'s directory, saved on any
+    number of ranks: checks every entry against the checkpoint's metadata (present, same
+    shape, same dtype: raises ``ZeroError`` naming the first key that is not), then
+    ``dcp.load`` and ``set_state_dict``. A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(model, optimizer)
+    _check_against(dcp.FileSystemReader(checkpoint_id).read_metadata(), state, checkpoint_id)
+    dcp.load(state, checkpoint_id=checkpoint_id, process_group=sharded(model).group)
+    set_state_dict(model, () if optimizer is None else optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}))
+
+
+def _check_against(metadata, state: dict, where) -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    flat, _ = flatten_state_dict(state)
+    saved = metadata.state_dict_metadata
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        md = saved.get(key)
+        if md is None:
+            raise ZeroError(f"checkpoint {str(where)!r} has no entry {key!r}, which the model (or its "
+                            "optimizer) needs; it was saved from another model.")
+        if not isinstance(md, TensorStorageMetadata):
+            raise ZeroError(f"checkpoint entry {key!r} is not a tensor, the model's is; saved from another model.")
+        if tuple(md.size) != tuple(value.shape) or md.properties.dtype != value.dtype:
+            raise ZeroError(
+                f"checkpoint entry {key!r} is {tuple(md.size)} {md.properties.dtype} but the model's is "
+                f"{tuple(value.shape)} {value.dtype}; it was saved from another model (dcp.load would "
+                f"{'cast it silently' if tuple(md.size) == tuple(value.shape) else 'refuse it'})."
+            )
+    prefixes = tuple(f"{k}." for k in state)
+    extra = [k for k in saved if k.startswith(prefixes) and k not in flat]
+    if extra:
+        raise ZeroError(f"checkpoint {str(where)!r} has entries the model does not: {extra[:5]}; it was "
+                        "saved from another model.")

@@ -1,0 +1,252 @@
+"""Hugging Face transformers under tracedac: real models from tiny configs, checked against
+no checkpointing and against torch's checkpoint as transformers itself runs it."""
+
+import ctypes
+import gc
+import tracemalloc
+
+import pytest
+import torch
+
+import tracedac
+from tracedac import CheckpointError, policies
+from tracedac.bench.probe import allocated_bytes
+from tracedac.checkpoint import current_region, reporting
+from tracedac.integrations import hf
+from tracedac.planners import plans
+
+from .hf_models import ARCHITECTURES, batch, build, loss
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecated aliases
+
+
+def grads(model, inputs):
+    return torch.autograd.grad(loss(model, inputs), [p for p in model.parameters() if p.requires_grad])
+
+
+_libc = ctypes.CDLL(None)
+_libc.malloc.restype, _libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+_libc.free.argtypes = [ctypes.c_void_p]
+
+
+def allocated() -> int:
+    """The allocator's bytes in use, with glibc's per-thread cache of small freed chunks
+    (counted as in use) filled first, so that it holds as much before as after a forward
+    (without this the same forward reads up to a KiB apart from run to run)."""
+    chunks = [_libc.malloc(n) for n in range(8, 1040, 8) for _ in range(8)]
+    for c in chunks:
+        _libc.free(c)
+    return allocated_bytes()
+
+
+def held_after_forward(model, inputs, repeat: int = 3) -> int:
+    """Bytes the allocator holds after a forward, beyond what it held before (the loss and
+    everything backward will read): the least of ``repeat`` forwards, as what else the
+    process allocates meanwhile only adds."""
+    loss(model, inputs)  # first calls allocate caches once: keep them out
+    held = []
+    for _ in range(repeat):
+        gc.collect()
+        before = allocated()
+        out = loss(model, inputs)
+        gc.collect()
+        held.append(allocated() - before)
+        del out
+    return min(held)
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_each_architecture_gives_torch_checkpoints_gradients_and_holds_its_bytes(kind):
+    """Gradients bitwise equal to torch's checkpoint run by transformers (which is itself
+    equal to no checkpointing up to float32 rounding: GPT-2's tied embedding and T5's shared
+    one add their gradients in another order once backward runs by layer), and the bytes
+    held after the forward within 5 % of torch's."""
+    model, inputs = build(kind), batch(4, 64)
+    plain = grads(model, inputs)
+    model.activation_checkpointing_enable()
+    torch_grads, torch_held = grads(model, inputs), held_after_forward(model, inputs)
+    hf.enable(model)
+    got, held = grads(model, inputs), held_after_forward(model, inputs)
+    for a, b, c in zip(got, torch_grads, plain, strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c)
+    if kind in ("llama", "mixtral", "qwen2_moe", "bert"):
+        assert all(torch.equal(a, c) for a, c in zip(got, plain))
+    assert abs(held - torch_held) <= 0.05 * torch_held, (held, torch_held)
+
+
+def test_a_planner_under_hf_plans_once_per_layer_structure_and_python_memory_stays_flat():
+    """transformers calls the checkpoint function with a new partial each step: the plan is
+    found through it (both layers share one), and nothing accumulates step after step (the
+    cache held every partial with its tensors: 602 plans in 301 steps, +628 KiB in 20)."""
+    model, inputs = build("llama"), batch()
+    hf.enable(model, policy=policies.memory_budget(0.3))
+    made, entries = plans.made, len(plans.entries)
+    for step in range(30):
+        grads(model, inputs)
+    tracemalloc.start()  # traced from step 30 on: tracing all 50 would double the test's time
+    try:
+        for step in range(20):
+            grads(model, inputs)
+            if step == 4:
+                gc.collect()
+                at_35 = tracemalloc.get_traced_memory()[0]
+        gc.collect()
+        growth = tracemalloc.get_traced_memory()[0] - at_35
+    finally:
+        tracemalloc.stop()
+    assert plans.made == made + 1, "one plan for two layers of one structure"
+    assert len(plans.entries) <= entries + 1
+    # Python and torch still warm up this far in (a few KiB, with or without checkpointing)
+    assert growth < 48 * 1024, f"Python memory grew {growth} bytes over 15 steps"
+    hf.disable(model)
+    plain = grads(model, inputs)
+    hf.enable(model, policy=policies.memory_budget(0.3))
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), plain))
+
+
+def test_regions_carry_the_layers_qualified_name_in_reports_and_errors():
+    model, inputs = build("llama"), batch()
+    hf.enable(model, policy=policies.save_matmuls())
+    with reporting() as regions:
+        out = loss(model, inputs)
+    assert [r.graph.name for r in regions] == ["model.layers.0", "model.layers.1"]
+    report = tracedac.saved_report(model, **inputs)
+    assert {r.region for r in report.rows} == {"model.layers.0", "model.layers.1"}
+    assert any(r.module == "model.layers.1.self_attn.q_proj" for r in report.rows)
+    hf.enable(model)  # recompute_all: backward replays from the weights
+    out = loss(model, inputs)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(2)
+    with pytest.raises(CheckpointError, match=r"parameter 'mlp.up_proj.weight'.*region 'model.layers.1'"):
+        out.backward()
+
+
+def test_disable_and_unwrap_put_back_every_flag_function_hook_and_attribute():
+    """After ``disable`` the model is as before ``enable``: the same attributes on every
+    module, no hook left (transformers' input-embedding hook included), state_dict keys
+    unchanged, a plain forward, and transformers' own switch giving torch's checkpoint."""
+
+    def state(model):
+        return ([(n, sorted(m.__dict__), m.__dict__.get("gradient_checkpointing"),
+                  m.__dict__.get("_gradient_checkpointing_func"), len(m._forward_hooks), len(m._forward_pre_hooks))
+                 for n, m in model.named_modules()], list(model.state_dict()))
+
+    for before_enable in ("fresh", "torch checkpoint on"):
+        model, inputs = build("llama"), batch()
+        if before_enable == "torch checkpoint on":
+            model.activation_checkpointing_enable()
+        before = state(model)
+        expected = grads(model, inputs)
+        for undo in (hf.disable, tracedac.unwrap):
+            hf.enable(model, policy=policies.min_cut())
+            model.activation_checkpointing_enable()  # what Trainer does: tracedac stays
+            assert isinstance(model.model.layers[0]._gradient_checkpointing_func, hf._Checkpointing)
+            assert undo(model) is model
+            assert state(model) == before
+            with reporting() as regions:
+                got = grads(model, inputs)
+            assert regions == [] and all(torch.equal(a, b) for a, b in zip(got, expected))
+    model.activation_checkpointing_enable()
+    assert model.model.layers[0]._gradient_checkpointing_func.func is torch.utils.checkpoint.checkpoint
+    with pytest.raises(CheckpointError, match="not checkpointed by tracedac"):
+        hf.disable(model)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"activation_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant=True"),
+    ({"activation_checkpointing_kwargs": {"context_fn": lambda: None}}, "policy=tracedac.policies.save_ops"),
+    ({"offload": True}, "memory_budget"),
+    ({"activation_checkpointing_kwargs": {"use_reentrant": False, "prserve_rng_state": True}}, "prserve_rng_state"),
+])
+def test_options_tracedac_would_not_honour_are_refused_and_point_to_the_documented_way(options, match):
+    """Each refusal names ``enable``/``disable``, never ``gradient_checkpointing_enable``,
+    which would silently put torch's checkpoint back; and the refused call changes nothing."""
+    model = build("llama")
+    hf.enable(model)
+    with pytest.raises(CheckpointError, match=match) as e:
+        model.activation_checkpointing_enable(**options)
+    assert "tracedac.integrations.hf.enable(model" in str(e.value)
+    assert "gradient_checkpointing_enable(" not in str(e.value)
+    assert isinstance(model.model.layers[0]._gradient_checkpointing_func, hf._Checkpointing)
+    with pytest.raises(CheckpointError, match="use_reentrant=True"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(CheckpointError, match="tracedac.integrations.hf.enable"):
+        tracedac.checkpoint_call(torch.sin, torch.ones(1, requires_grad=True), use_reentrant=True)
+
+
+def test_enable_refuses_a_model_without_transformers_switch():
+    with pytest.raises(CheckpointError, match=r"tracedac.wrap\(model, LayerClass"):
+        hf.enable(torch.nn.Linear(2, 2))
+
+
+def test_trainer_with_gradient_checkpointing_trains_with_tracedac_running_each_layer_once(tmp_path):
+    """``TrainingArguments(gradient_checkpointing=True)`` makes the Trainer call the model's
+    ``activation_checkpointing_enable``: tracedac stays (regions recorded, named by layer),
+    Python in each layer runs once per step (torch's checkpoint would count two), and the
+    weights after three steps are those of a run without checkpointing."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    from transformers import Trainer, TrainingArguments
+
+    def train(enable: bool):
+        model = build("llama")
+        counts = [0] * len(model.model.layers)
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.register_forward_pre_hook(lambda m, a, i=i: counts.__setitem__(i, counts[i] + 1))
+        paths = set()
+
+        def recording(node):  # a policy that notes where it was asked: tracedac recorded
+            paths.add(current_region().graph.name)
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        if enable:
+            hf.enable(model, policy=recording)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), gradient_checkpointing=enable,
+            gradient_checkpointing_kwargs={"use_reentrant": False}, max_steps=3, per_device_train_batch_size=2,
+            learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", report_to="none", save_strategy="no",
+            logging_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_drop_last=True)
+        data = [{k: v[0] for k, v in batch(1, 16, seed=s).items()} for s in range(6)]
+        Trainer(model=model, args=args, train_dataset=data).train()
+        return model, counts, paths
+
+    model, counts, paths = train(enable=True)
+    assert isinstance(model.model.layers[0]._gradient_checkpointing_func, hf._Checkpointing)
+    assert counts == [3, 3], "each layer's Python ran once per step"
+    assert paths == {"model.layers.0", "model.layers.1"}
+    plain, plain_counts, _ = train(enable=False)
+    assert plain_counts == [3, 3]
+    for (n, a), b in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b), n
+    assert not any(p.name != "out" for p in tmp_path.iterdir())
+
+
+def test_a_lora_model_trains_its_adapters_as_without_checkpointing_holding_no_more_than_torch():
+    """PEFT's LoRA on a frozen Llama: adapter gradients equal to no checkpointing; after the
+    forward, recompute_all holds no more than torch's checkpoint, and save_all (which keeps
+    what autograd saves) no more than autograd itself: nothing is saved for a frozen weight
+    that autograd would not save."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                      target_modules=["q_proj", "v_proj", "up_proj"]))
+    inputs = batch(4, 64)
+    # The allocator also counts what tracedac's recorded graph holds in glibc (Python lists over
+    # 512 bytes: 0.3 to 3 KiB here) and the noise of glibc's thread cache: SLACK. A hidden
+    # state kept besides (4 x 64 x 32 floats, 32 KiB) would exceed it many times over.
+    SLACK = 4 << 10
+    assert 0 < sum(p.requires_grad for p in model.parameters()) < len(list(model.parameters()))
+    model.enable_input_require_grads()  # as transformers' switch does for PEFT models: the same graph
+    plain, plain_held = grads(model, inputs), held_after_forward(model, inputs)
+    model.disable_input_require_grads()
+    model.activation_checkpointing_enable()
+    torch_held = held_after_forward(model, inputs)
+    hf.enable(model)
+    with reporting() as regions:
+        loss(model, inputs)
+    assert [r.graph.name for r in regions] == ["base_model.model.model.layers.0", "base_model.model.model.layers.1"]
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), plain, strict=True))
+    assert held_after_forward(model, inputs) <= torch_held + SLACK
+    hf.enable(model, policy=policies.save_all())
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), plain, strict=True))
+    assert held_after_forward(model, inputs) <= plain_held + SLACK

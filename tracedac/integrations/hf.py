@@ -1,0 +1,191 @@
+"""Hugging Face transformers under tracedac, through transformers' own checkpointing switch.
+
+transformers checkpoints a model's repeated layers (each a ``GradientCheckpointingLayer``):
+``activation_checkpointing_enable`` sets each layer's ``gradient_checkpointing`` flag and its
+``_gradient_checkpointing_func``, which the layer calls as
+``func(partial(forward, layer, **kwargs), *args)`` (the contract the class's docstring
+states). ``enable(model, policy=...)`` lets transformers do all of that (which layers,
+``every_n_layers``, the input-embedding hook PEFT needs), then gives each layer tracedac's
+function in place of torch's, and stays the answer: the model's own
+``activation_checkpointing_enable`` (which ``Trainer`` calls for
+``TrainingArguments(gradient_checkpointing=True)``, and the deprecated
+``gradient_checkpointing_enable`` forwards to) is replaced on the instance by one that does
+the same and puts tracedac back. Options torch's checkpoint takes that would change what is
+run (``use_reentrant=True``, ``context_fn``, ``offload``) are refused with a
+``CheckpointError`` saying what to do; the others have nothing to do under tracedac.
+
+Regions are named by the layer's qualified name (``model.layers.3``), relative to the model
+given to ``enable``. ``disable(model)`` (or ``tracedac.unwrap(model)``) puts back every flag,
+function, hook and attribute as it was before ``enable``.
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from ..checkpoint import checkpoint_call, register_name, unregister_name
+from ..errors import CheckpointError
+from ..policies import check_policy, recompute_all
+
+__all__ = ["disable", "enable"]
+
+# torch.utils.checkpoint options that have nothing to do under tracedac (see checkpoint_call)
+_NO_OPS = {"use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop", "context_fn"}
+_ABSENT = object()
+
+
+def _pretrained(model: nn.Module):
+    """The outermost transformers model in ``model`` (itself, or the one a PEFT model wraps),
+    and its qualified name in ``model``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable() takes a transformers model (an nn.Module), got {type(model).__name__}")
+    for name, m in model.named_modules():
+        if callable(getattr(type(m), "activation_checkpointing_enable", None)):
+            return m, name
+    raise CheckpointError(
+        f"{type(model).__name__} holds no transformers model with activation_checkpointing_enable "
+        "(transformers >= 5, PreTrainedModel). tracedac.integrations.hf.enable works through "
+        "transformers' own checkpointing switch; for any other model use "
+        "tracedac.wrap(model, LayerClass, policy=...)."
+    )
+
+
+def _check_options(kwargs: dict | None, offload: bool) -> None:
+    """Refuse what tracedac would not do as asked; say what to pass instead."""
+    documented = ("Enable tracedac with tracedac.integrations.hf.enable(model, policy=...) and "
+                  "leave the option out of gradient_checkpointing_kwargs (TrainingArguments) or "
+                  "activation_checkpointing_kwargs; to train with torch's checkpoint instead, call "
+                  "tracedac.integrations.hf.disable(model) first.")
+    kwargs = dict(kwargs or {})
+    if kwargs.get("use_reentrant"):
+        raise CheckpointError(
+            "use_reentrant=True asks for torch's reentrant checkpoint, which runs each layer's "
+            "forward again in backward; tracedac, enabled on this model, records the forward "
+            f"instead. {documented}"
+        )
+    context_fn = kwargs.get("context_fn")
+    if context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn":
+        raise CheckpointError(
+            "context_fn (torch's selective checkpointing) has no effect under tracedac: what is "
+            "kept is the policy's choice. Pass the choice as enable(model, policy="
+            f"tracedac.policies.save_ops(...)). {documented}"
+        )
+    if offload:
+        raise CheckpointError(
+            "offload=True moves what torch's checkpoint saves to host memory; tracedac keeps what "
+            "its policy chooses on the device and does not offload. Bound what is kept with "
+            f"enable(model, policy=tracedac.policies.memory_budget(...)). {documented}"
+        )
+    unknown = sorted(set(kwargs) - _NO_OPS)
+    if unknown:
+        raise CheckpointError(
+            f"activation checkpointing options {unknown} are not torch.utils.checkpoint options "
+            f"tracedac knows (it accepts {sorted(_NO_OPS)}). {documented}"
+        )
+
+
+class _Checkpointing:
+    """tracedac's state on one transformers model: the policy, the checkpoint function every
+    layer calls, and what ``enable`` changed (to put back)."""
+
+    def __init__(self, model, root_prefix: str, policy):
+        self.model = model
+        self.prefix = root_prefix  # the transformers model's name in what enable() was given
+        self.name = root_prefix or type(model).__name__
+        self.policy = policy
+        self.layers = []  # modules with a gradient_checkpointing flag: (module, flag, function)
+        for m in model.modules():
+            if hasattr(m, "gradient_checkpointing"):
+                self.layers.append((m, m.__dict__.get("gradient_checkpointing", _ABSENT),
+                                    m.__dict__.get("_gradient_checkpointing_func", _ABSENT)))
+        self.hooks_before = {k: model.__dict__.get(k, _ABSENT) for k in ("_require_grads_hooks", "_require_grads_hook")}
+        self.hooks_added = []  # input-embedding hooks transformers added on our calls
+
+    def __call__(self, function, *args, **kwargs):
+        """What each layer calls in place of ``torch.utils.checkpoint.checkpoint``."""
+        return checkpoint_call(function, *args, policy=self.policy, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"tracedac.integrations.hf(policy={self.policy!r})"
+
+    def switch_on(self, kwargs=None, every_n_layers: int = 1, offload: bool = False) -> None:
+        """transformers' own activation_checkpointing_enable, then tracedac's function in each layer."""
+        _check_options(kwargs, offload)
+        model = self.model
+        before = list(model.__dict__.get("_require_grads_hooks", ()))
+        type(model).activation_checkpointing_enable(model, None, every_n_layers=every_n_layers)
+        self.hooks_added += [h for h in model.__dict__.get("_require_grads_hooks", ()) if h not in before]
+        prefix = f"{self.prefix}." if self.prefix else ""
+        for name, m in model.named_modules():
+            if hasattr(m, "gradient_checkpointing"):
+                m._gradient_checkpointing_func = self
+                register_name(m, prefix + name if name else self.prefix or type(m).__name__)
+
+    def disable(self) -> None:
+        """Put back every flag, function, hook and attribute as before ``enable``."""
+        model = self.model
+        for h in self.hooks_added:
+            h.remove()
+        for key, value in self.hooks_before.items():
+            if value is _ABSENT:
+                model.__dict__.pop(key, None)
+            else:
+                model.__dict__[key] = value
+        for m, flag, function in self.layers:
+            for key, value in (("gradient_checkpointing", flag), ("_gradient_checkpointing_func", function)):
+                if value is _ABSENT:
+                    m.__dict__.pop(key, None)
+                else:
+                    m.__dict__[key] = value
+        for m in model.modules():
+            unregister_name(m)
+        model.__dict__.pop("activation_checkpointing_enable", None)
+        model.__dict__.pop("_tracedac", None)
+
+
+def _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
+                                     offload: bool = False):
+    """transformers' activation_checkpointing_enable, with tracedac's checkpoint in every layer
+    (set on this model by tracedac.integrations.hf.enable; undone by its disable)."""
+    self._tracedac.switch_on(activation_checkpointing_kwargs, every_n_layers, offload)
+
+
+def enable(model: nn.Module, policy=None, *, every_n_layers: int = 1) -> nn.Module:
+    """Checkpoint ``model``'s layers with tracedac under ``policy`` (default ``recompute_all()``).
+
+    ``model`` is a transformers ``PreTrainedModel`` or holds one (a PEFT model). Works through
+    transformers' ``activation_checkpointing_enable``, which keeps working afterwards (and
+    ``Trainer`` with ``gradient_checkpointing=True`` keeps tracedac). Calling ``enable`` again
+    changes the policy. Returns ``model``.
+    """
+    policy = recompute_all() if policy is None else policy
+    check_policy(policy)
+    target, prefix = _pretrained(model)
+    state = target.__dict__.get("_tracedac")
+    if state is None:
+        state = _Checkpointing(target, prefix, policy)
+        target.__dict__["_tracedac"] = state
+        target.__dict__["activation_checkpointing_enable"] = types.MethodType(_activation_checkpointing_enable, target)
+    elif not isinstance(state, _Checkpointing):
+        raise CheckpointError(
+            f"{type(target).__name__} is already checkpointed by tracedac as a whole ({state!r}); "
+            "checkpointing its layers as well would nest regions. tracedac.unwrap(model) first."
+        )
+    state.policy = policy
+    state.switch_on(every_n_layers=every_n_layers)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo ``enable``: every flag, checkpoint function, hook and attribute as before. Returns ``model``."""
+    target, _ = _pretrained(model)
+    state = target.__dict__.get("_tracedac")
+    if not isinstance(state, _Checkpointing):
+        raise CheckpointError(
+            f"{type(target).__name__} is not checkpointed by tracedac.integrations.hf.enable; "
+            "nothing to disable."
+        )
+    state.disable()
+    return model
