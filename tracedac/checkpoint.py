@@ -499,8 +499,9 @@ def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn
         module.register_forward_hook(hooks.post, always_call=True),
     )
     module._tracedac = hooks
-    if "forward" not in module.__dict__:  # (a forward set on the instance is left alone: eager only)
-        module.forward = _TracedForward(module)
+    inner = module.__dict__.get("forward")
+    if inner is None or getattr(inner, "tracedac_composes", False):  # (other instance forwards: eager only)
+        module.forward = _TracedForward(module, inner)
     return module
 
 
@@ -509,17 +510,20 @@ class _TracedForward:
     traced, its ops are marked (a context manager cannot span two hooks under dynamo, so the
     mark is made here). An object rather than a bound method, so the module still pickles."""
 
-    __slots__ = ("module",)
+    __slots__ = ("module", "inner")
+    tracedac_composes = True  # tracedac.zero's forward may wrap it
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, inner=None):
         self.module = module
+        self.inner = inner  # an instance forward set before that composes (tracedac.zero's), or None
 
     def __call__(self, *args, **kwargs):
         module = self.module
         hooks = getattr(module, "_tracedac", None)
+        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
         if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
-            return traced_region(type(module).forward, (module, *args), kwargs, hooks.policy, hooks.name)
-        return type(module).forward(module, *args, **kwargs)
+            return traced_region(forward, args, kwargs, hooks.policy, hooks.name)
+        return forward(*args, **kwargs)
 
 
 # --- public entry points -----------------------------------------------------------------
@@ -656,8 +660,12 @@ def unwrap(obj):
                 for h in spec.handles:
                     h.remove()
                 del m.__dict__["_tracedac"]
-                if isinstance(m.__dict__.get("forward"), _TracedForward):
-                    del m.__dict__["forward"]
+                forward = m.__dict__.get("forward")
+                if isinstance(forward, _TracedForward):
+                    if forward.inner is not None:
+                        m.__dict__["forward"] = forward.inner
+                    else:
+                        del m.__dict__["forward"]
             elif spec is not None:
                 spec.disable()  # an integration's state (tracedac.integrations.hf)
         return obj

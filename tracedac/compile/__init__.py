@@ -16,6 +16,10 @@ the first time a region is traced, as inductor's ``joint_custom_pre_pass`` (a
 ``CustomGraphPass`` whose ``uuid`` is part of inductor's cache key) and as AOTAutograd's
 ``joint_custom_pass`` (which the other backends run; see ``install.py``).
 
+A second joint-graph pass (``zero_tags.py``, registered the same way, the first time a
+``tracedac.zero`` gather is traced) tags ZeRO-3's gathers, and what is computed from
+gathered parameters alone, to be recomputed: backward gathers again.
+
 ``tracedac.name(t, label)`` is an identity op under compile (``name_op.py``): the pass
 moves its label onto the node that produced ``t`` and removes it.
 """

@@ -1,4 +1,7 @@
-"""Registering the joint-graph pass, once, the first time dynamo traces a region.
+"""Registering the joint-graph passes, once, the first time dynamo traces a region or a gather.
+
+The passes: ``tag_regions`` (each region's policy), then ``tag_gathers`` (ZeRO-3's gathers
+and what is computed from them alone: recomputed in backward).
 
 Nothing is registered at import: eager users never touch torch's compiler configuration.
 The pass is added beside any pass already set (a list for inductor; a chained function for
@@ -20,16 +23,14 @@ import os
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-__all__ = ["TagRegions", "install"]
+__all__ = ["TagRegions", "install", "install_for_gather"]
 
 
 class TagRegions(CustomGraphPass):
     """Inductor's handle on ``tag_regions``: its uuid is the pass's source and every region key."""
 
     def __call__(self, graph) -> None:
-        from .tag_regions import tag_regions
-
-        tag_regions(graph.owning_module)
+        _passes(graph.owning_module)
 
     def uuid(self) -> str:
         from .registry import SPECS
@@ -50,10 +51,25 @@ class TagRegions(CustomGraphPass):
 PASS = TagRegions()
 
 
-def _aot_pass(gm, joint_inputs):
+def _passes(gm):
     from .tag_regions import tag_regions
+    from .zero_tags import tag_gathers
 
-    return tag_regions(gm)
+    return tag_gathers(tag_regions(gm))
+
+
+def _aot_pass(gm, joint_inputs):
+    return _passes(gm)
+
+
+def install_for_gather() -> bool:
+    """``install()`` from a sharded unit's traced forward: dynamo calls it at trace time and
+    takes the result as a constant (no guard, no graph op)."""
+    install()
+    return True
+
+
+install_for_gather._dynamo_marked_constant = True
 
 
 def install() -> None:

@@ -10,6 +10,11 @@
   FSDP do). Backward: its adjoint, an all-gather divided by the world size.
 - ``tracedac::release(full, flat)``: the end of a gathered buffer's forward life: the unit
   forgets the one reference it held, so the storage goes with the last view.
+- ``tracedac::reduce_grad(grad, flat)``: the gather's backward, an op so that a compiled
+  backward runs it rather than tracing its Python state (held gradients, ``.grad``).
+
+``release`` and ``reduce_grad`` return nothing and are registered effectful: compilers keep
+them, in order (dead-code elimination would drop an op whose result nobody reads).
 
 Ops take the group as a string key (a custom op cannot take a Python object; a string,
 unlike an int, stays a constant under dynamic shapes): the ``FlatGroup`` holds the process
@@ -25,6 +30,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from torch._library.effects import EffectType
 
 from ..checkpoint import REBUILDERS
 from ..ops import accumulate_, pack_cast
@@ -295,19 +301,32 @@ def _all_gather_setup(ctx, inputs, output):
 
 
 def _all_gather_backward(ctx, grad):
-    """Reduce-scatter the full gradient; add this rank's part into the parameters' .grad."""
-    group = group_of(ctx.flat)
-    if not group.sync:
-        group.hold(grad)
-        return None, None
-    part = torch.ops.tracedac.reduce_scatter(group.take_held(grad), ctx.flat)
-    group.add_grad(part)
+    """Reduce-scatter the full gradient into the parameters' .grad: one op (``reduce_grad``),
+    so a compiled backward calls it at run time instead of tracing its Python."""
+    torch.ops.tracedac.reduce_grad(grad, ctx.flat)
     # None: the gradient is in the parameters' .grad already (DTensors; the op's input is a
     # plain leaf over the same storage, which never gets a .grad).
     return None, None
 
 
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+
+
+@torch.library.custom_op("tracedac::reduce_grad", mutates_args=())
+def reduce_grad(grad: torch.Tensor, flat: str) -> None:
+    """The backward of a gather: reduce-scatter ``grad`` and add this rank's part into the
+    parameters' ``.grad`` (or, while gradient sync is off, add it to the held full gradient).
+    Registered effectful: it returns nothing, and a compiler must neither drop nor move it."""
+    group = group_of(flat)
+    if not group.sync:
+        group.hold(grad)
+        return
+    group.add_grad(torch.ops.tracedac.reduce_scatter(group.take_held(grad), flat))
+
+
+@reduce_grad.register_fake
+def _reduce_grad_fake(grad, flat):
+    return None
 
 
 # --- reduce-scatter ---------------------------------------------------------------------------
@@ -355,6 +374,12 @@ def release(full: torch.Tensor, flat: str) -> None:
 @release.register_fake
 def _release_fake(full, flat):
     return None
+
+
+# Effectful ops return nothing and are kept in order: a compiler's dead-code elimination
+# would otherwise drop them (a release nobody reads; a backward whose result is .grad).
+for _op in (release, reduce_grad):
+    _op.register_effect(EffectType.ORDERED)
 
 
 class Gathered:

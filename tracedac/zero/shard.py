@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint import current_region, module_matcher
+from ..checkpoint import current_region, module_matcher, tracing
+from ..compile.install import install_for_gather
 from .errors import ZeroError
 from .layout import make_slices, spec_for
 from .ops import FlatGroup, Gathered, Handle, Prefetch, handle_for
@@ -68,6 +69,9 @@ class _Slot:
         self.piece = piece  # index of the parameter in that group
 
 
+_TRACED = "traced"  # in place of a unit's saved-tensor hooks: the forward ran under a compiler
+
+
 class Unit:
     """The parameters one module gathers at once, and its forward pre/post hooks."""
 
@@ -81,12 +85,15 @@ class Unit:
         self.state: Prefetch | None = None  # the root unit's only: its forward starts a new order of gathers
 
     def pre(self, module, args):
+        if tracing(args):
+            return  # the unit's instance forward gathers (_UnitForward)
         if self.state is not None:
             self.state.begin(backward=False)  # a new forward: its gathers count from 0 again
         self.enter()
 
     def post(self, module, args, output):
-        self.exit()
+        if not tracing(args):
+            self.exit()
 
     def enter(self) -> None:
         """Gather the unit's groups and shadow each parameter attribute with its full view."""
@@ -111,16 +118,63 @@ class Unit:
             hooks.__enter__()
         self.active.append((gathered, hooks))
 
+    def enter_traced(self) -> None:
+        """Under a compiler the gathers are graph nodes and nothing is registered at run time:
+        the partitioner decides what backward keeps, and the joint-graph pass tags every gather
+        to be recomputed (``compile/zero_tags.py``), so backward gathers again. No
+        ``Gathered`` entry and no saved-tensor hooks: the compiled code runs none of this."""
+        install_for_gather()
+        fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key) for g in self.groups]
+        for s in self.slots:
+            g = self.groups[s.group]
+            # object.__setattr__ writes the instance __dict__ as below; dynamo tracks it as an
+            # attribute store that the post-hook's delete undoes (a store to ``__dict__``
+            # itself would make every view a graph output, alive until backward).
+            object.__setattr__(s.module, s.attr, g.slices[s.piece].full(fulls[s.group], g.world))
+        self.active.append((fulls, _TRACED))
+
     def exit(self) -> None:
         if not self.active:
             return
         gathered, hooks = self.active.pop()
+        if hooks is _TRACED:  # the gathered buffers themselves
+            for s in self.slots:
+                s.module.__dict__.pop(s.attr, None)
+            for full, g in zip(gathered, self.groups):
+                torch.ops.tracedac.release(full, g.key)
+            return
         if hooks is not None:
             hooks.__exit__(None, None, None)
         for s in self.slots:  # the attribute reads the DTensor parameter again
             s.module.__dict__.pop(s.attr, None)
         for g in gathered:
             torch.ops.tracedac.release(g.full, g.flat.key)
+
+
+class _UnitForward:
+    """A unit's forward, set on the instance: under a compiler it gathers, runs the module's
+    forward and releases, all in the frame dynamo traces (torch 2.13 runs a compiled
+    module's own hooks as frames of their own, and a context cannot span them: a gather in
+    the pre-hook's frame would be a graph output, held until backward). Eager, it only calls
+    the forward: the hooks gather. ``tracedac.checkpoint`` applied after ``shard`` calls it
+    inside its region (``tracedac_composes``). An object, so the module still pickles."""
+
+    __slots__ = ("unit", "inner")
+    tracedac_composes = True
+
+    def __init__(self, unit: Unit, inner):
+        self.unit, self.inner = unit, inner  # inner: an instance forward set before (checkpoint's), or None
+
+    def __call__(self, *args, **kwargs):
+        module = self.unit.module
+        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
+        if not tracing(args, kwargs):
+            return forward(*args, **kwargs)
+        self.unit.enter_traced()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.unit.exit()
 
 
 class _Lazy:
@@ -132,6 +186,9 @@ class _Lazy:
         self.entered: list = []
 
     def pre(self, module, args):
+        if tracing(args):
+            self.entered.append(False)
+            return
         lazy = not self.unit.active
         if lazy:
             self.unit.enter()
@@ -159,6 +216,13 @@ class _Autocast:
         self.stack: list = []
 
     def pre(self, module, args):
+        if tracing(args):
+            raise ZeroError(
+                "shard(mixed_precision=MixedPrecision(...)) runs its low-precision modules under "
+                "torch.autocast from forward hooks, which a compiler cannot trace as one context. "
+                "Under torch.compile, shard without mixed_precision and call the compiled model "
+                "inside torch.autocast(device_type, dtype=torch.bfloat16) instead."
+            )
         ctx = torch.autocast(self.device_type, dtype=self.dtype)
         ctx.__enter__()
         self.stack.append(ctx)
@@ -448,6 +512,14 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     for unit in active:
         unit.module.register_forward_pre_hook(unit.pre)
         unit.module.register_forward_hook(unit.post, always_call=True)
+        inner = unit.module.__dict__.get("forward")
+        if inner is not None and not getattr(inner, "tracedac_composes", False):
+            raise ZeroError(
+                f"module {unit.name or type(unit.module).__name__!r} has a forward set on the instance; "
+                "shard() sets its own there to gather under torch.compile. Set forward on the class, "
+                "or shard before setting it."
+            )
+        unit.module.forward = _UnitForward(unit, inner)
         for m in {id(s.module): s.module for s in unit.slots if s.module is not unit.module}.values():
             lazy = _Lazy(unit)
             m.register_forward_pre_hook(lazy.pre)

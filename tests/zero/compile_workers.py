@@ -1,0 +1,207 @@
+"""What each rank runs in the compiled ZeRO-3 tests (imported by spawned processes: top-level).
+
+Oracles: the same model trained by eager ``zero.shard`` (losses, final parameters), the
+graphs AOTAutograd hands its compilers (read as torch wrote them), fx's own dead-code
+elimination, and glibc's allocator statistics.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.nn.functional as F
+
+import tracedac
+import tracedac.zero as zero
+from tracedac.bench import probe
+from tracedac.zero import ops as zops
+
+from . import workers as w
+
+BACKEND = "aot_eager_decomp_partition"
+GATHER = torch.ops.tracedac.all_gather.default
+RELEASE = torch.ops.tracedac.release.default
+REDUCE = torch.ops.tracedac.reduce_grad.default
+
+
+def _fresh():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64  # every block instance is a cache entry of _call_impl
+
+
+def build(where: str, d: int = w.D):
+    """A sharded model (regions before or after sharding, or none) and how to compile it."""
+    m = w.model(d=d)
+    if where == "wrap-before":
+        m = zero.shard(tracedac.wrap(m, w.Block))
+    elif where == "wrap-after":
+        m = tracedac.wrap(zero.shard(m), w.Block)
+    else:
+        m = zero.shard(m)
+    return m
+
+
+def compiled(m, how: str, backend=BACKEND, dynamic=None):
+    if how == "whole":
+        return torch.compile(m, fullgraph=True, backend=backend, dynamic=dynamic)
+    for b in m.blocks:  # torchtitan's order: shard (and checkpoint) each block, then compile it
+        b.compile(fullgraph=True, backend=backend, dynamic=dynamic)
+    return m
+
+
+def batch(step, rank, world, rows=None, d=w.D):
+    """This rank's slice of step ``step``'s batch; ``rows`` per rank (default: an equal share)."""
+    per = rows or w.BATCH // world
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(per * world, d, generator=g), torch.randn(per * world, generator=g)
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+def train(m, call, rank, world, rows=(None, None, None)):
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    losses = []
+    for step, r in enumerate(rows):
+        x, y = batch(step, rank, world, r)
+        loss = F.mse_loss(call(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, zero.full_state_dict(m)
+
+
+def equal_to_eager(rank, world, cases, backend=BACKEND):
+    """Per (regions, how, dynamic): max |loss - eager's|, max |parameter - eager's|, and
+    how many gathered buffers are still registered after training."""
+    out = {}
+    for where, how, dynamic in cases:
+        rows = (2, 3, 5) if dynamic else (None, None, None)  # recompiles on new sizes
+        _fresh()
+        eager = build(where)
+        ref_losses, ref_sd = train(eager, eager, rank, world, rows)
+        m = build(where)
+        losses, sd = train(m, compiled(m, how, backend, dynamic), rank, world, rows)
+        out[(where, how, dynamic)] = (max(abs(a - b) for a, b in zip(losses, ref_losses)), w.max_diff(sd, ref_sd),
+                                      len(zops._LIVE))
+    _fresh()
+    return out
+
+
+class Graphs:
+    """An AOTAutograd backend (the min-cut partition, inductor's decompositions) keeping the
+    forward and backward graphs it is handed."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._inductor.compile_fx import select_decomp_table
+
+        self.forward, self.backward = [], []
+
+        def keep(into):
+            def compiler(gm, example_inputs):
+                into.append(gm)
+                return torch._functorch.aot_autograd.make_boxed_func(gm.forward)
+            return compiler
+
+        self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward),
+                                    partition_fn=min_cut_rematerialization_partition,
+                                    decompositions=select_decomp_table())
+
+
+def _count(gms, op) -> int:
+    n = 0
+    for gm in gms:
+        for node in gm.graph.nodes:
+            if node.target is op or (node.op == "call_function" and len(node.args) > 1 and node.args[1] is op):
+                n += 1  # op itself, or with_effects(token, op, ...)
+    return n
+
+
+def _saved_gathered(gm) -> list:
+    """Forward outputs (what backward is handed) computed from gathered parameters alone."""
+    gathered = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and (n.target is GATHER or (n.all_input_nodes and all(a in gathered for a in n.all_input_nodes))):
+            gathered.add(n)
+    return [n.name for n in gm.graph.output_node().args[0] if n in gathered]
+
+
+def graphs(rank, world):
+    """Per block-compiled and whole-compiled model: gathers, releases and reduce_grads in the
+    forward and backward graphs, and what the forward saves of gathered parameters."""
+    out = {}
+    for where, how in (("plain", "per-block"), ("plain", "whole"), ("wrap-before", "per-block")):
+        _fresh()
+        g = Graphs()
+        m = build(where)
+        call = compiled(m, how, backend=g.backend)
+        x, y = batch(0, rank, world)
+        F.mse_loss(call(x), y).backward()
+        out[(where, how)] = dict(
+            fw_gathers=_count(g.forward, GATHER), fw_releases=_count(g.forward, RELEASE),
+            bw_gathers=_count(g.backward, GATHER), bw_reduces=_count(g.backward, REDUCE),
+            saved_gathered=[s for gm in g.forward for s in _saved_gathered(gm)],
+            trainable_groups=sum(1 for u in m._tracedac_zero.all_units for grp in u.groups if grp.requires_grad),
+            groups=sum(len(u.groups) for u in m._tracedac_zero.all_units),
+            keys=len({grp.key for u in m._tracedac_zero.all_units for grp in u.groups}),
+        )
+    _fresh()
+    return out
+
+
+def dead_code(rank, world):
+    """make_fx of a forward, then fx's dead-code elimination: every release stays."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    m = build("plain")
+    x, _ = batch(0, rank, world)
+    gm = make_fx(lambda x: m(x).sum())(x)
+    before = len(gm.graph.find_nodes(op="call_function", target=RELEASE))
+    gm.graph.eliminate_dead_code()
+    after = len(gm.graph.find_nodes(op="call_function", target=RELEASE))
+    return before, after, sum(len(u.groups) for u in m._tracedac_zero.all_units)
+
+
+def _tensors() -> int:
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def memory(rank, world, steps=10, d=192):
+    """Compiled per block: bytes the allocator holds after step 10 beyond after step 1, the
+    live tensors after step 1 and after step 10, and the bytes of one unit's full parameters."""
+    _fresh()
+    m = build("plain", d=d)
+    call = compiled(m, "per-block")
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    held = []
+    for step in range(steps + 1):
+        x, y = batch(step, rank, world, d=d)
+        F.mse_loss(call(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # the .grad buffers stay: only a leak can grow
+        gc.collect()
+        held.append((probe.allocated_bytes(), _tensors()))
+    _fresh()
+    unit = 4 * sum(p.numel() for p in m.blocks[0].parameters())
+    return held[steps][0] - held[1][0], held[1][1], held[steps][1], unit, len(zops._LIVE)
+
+
+def several(rank, world, parts):
+    out = {}
+    for name, args in parts:
+        try:
+            out[name] = ("ok", globals()[name](rank, world, *args))
+        except Exception:  # noqa: BLE001 (reported per part; the others still run)
+            import traceback
+
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+def inductor(rank, world):
+    """One case compiled by inductor itself (its C++ compile is the slow part)."""
+    return equal_to_eager(rank, world, [("plain", "per-block", None)], backend="inductor")
