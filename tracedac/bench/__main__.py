@@ -3,7 +3,8 @@
 By default it runs the checkpointing comparison on the embedded MoE model (see
 ``checkpointing``); ``--kernels`` runs the kernel benchmark instead; ``--planners`` the
 planner benchmark (``planners``: ``memory_budget`` against torch.compile's
-``activation_memory_budget`` on a small Llama); and ``--zero``, under
+``activation_memory_budget`` on a small Llama); ``--compile`` checkpointing inside one
+``torch.compile`` graph (``compiled``); and ``--zero``, under
 ``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``). Progress goes to
 stderr, the table to stdout, and ``--json PATH`` writes every figure. Targets that are
 missed are marked FAIL in the output; the exit status stays 0, since a slow machine is not
@@ -50,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the planner benchmark instead: memory_budget at budgets 0.0 to 1.0 against "
                    "torch.compile's activation_memory_budget on a 2-layer Llama (size flags are ignored; "
                    "--steps, --quick, --json, --quiet, --system-malloc apply)")
+    p.add_argument("--compile", action="store_true",
+                   help="compare checkpointing inside one torch.compile graph instead (inductor, fullgraph=True; "
+                   "the MoE model with fixed-capacity routing; size flags, --steps, --quick, --json apply)")
     p.add_argument("--zero", action="store_true", help="compare ZeRO-3 implementations instead; run it as "
                    "`torchrun --nproc-per-node 2 -m tracedac.bench --zero`")
     p.add_argument("--init-method", default="env://", help="with --zero: the process group's rendezvous "
@@ -101,6 +105,17 @@ def main(argv=None) -> int:
         figures = planners.run(steps=args.steps, quick=args.quick, progress=None if args.quiet else sys.stderr,
                                system_malloc=args.system_malloc)
         print(planners.format_report(figures))
+    elif args.compile:
+        from . import compiled
+
+        try:
+            cfg = _config(args)
+            cfg.check()
+        except ValueError as e:
+            parser.error(str(e))
+        figures = compiled.run(cfg, steps=args.steps or compiled.STEPS, quick=args.quick,
+                               progress=None if args.quiet else sys.stderr)
+        print(compiled.format_report(figures))
     elif args.zero:
         return _zero(parser, args)
     else:
