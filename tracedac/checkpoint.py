@@ -427,6 +427,8 @@ def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names
     Without a ``name``, the region is named for the module ``fn`` runs on (its qualified
     name if registered, else its class) or for the function.
     """
+    if tracing(args, kwargs):  # under dynamo, make_fx, export or fake tensors: marked, not recorded
+        return traced_region(fn, args, kwargs, policy, name or getattr(fn, "__qualname__", type(fn).__name__))
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     code, on, call_args, call_kwargs = computation(fn, args, kwargs)
