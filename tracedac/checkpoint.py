@@ -464,7 +464,7 @@ class _ModuleHooks:
 
     def pre(self, module, args):
         if not torch.is_grad_enabled() or tracing(args):
-            return None  # traced: the module's forward marks its ops (_TracedForward)
+            return None  # traced: the module's forward marks its ops (_traced_forward)
         if self.names is None:
             prefix = f"{self.name}." if self.qualified else ""
             self.names = {id(m): (prefix + n) if n else self.name for n, m in module.named_modules()}
@@ -502,26 +502,23 @@ def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn
     )
     module._tracedac = hooks
     if "forward" not in module.__dict__:  # (a forward set on the instance is left alone: eager only)
-        module.forward = _TracedForward(module)
+        module.forward = functools.partial(_traced_forward, module)
     return module
 
 
-class _TracedForward:
-    """A checkpointed module's forward, set on the instance. Eager, the hooks record the call;
-    traced, its ops are marked (a context manager cannot span two hooks under dynamo, so the
-    mark is made here). An object rather than a bound method, so the module still pickles."""
+def _traced_forward(module: nn.Module, *args, **kwargs):
+    """A checkpointed module's forward, set on the instance as ``partial(_traced_forward,
+    module)``. Eager, the hooks record the call; traced, its ops are marked (a context manager
+    cannot span two hooks under dynamo, so the mark is made here). A partial rather than a
+    bound method: the module still pickles, and torch.export reads its code."""
+    hooks = getattr(module, "_tracedac", None)
+    if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
+        return traced_region(type(module).forward, (module, *args), kwargs, hooks.policy, hooks.name)
+    return type(module).forward(module, *args, **kwargs)
 
-    __slots__ = ("module",)
 
-    def __init__(self, module: nn.Module):
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        module = self.module
-        hooks = getattr(module, "_tracedac", None)
-        if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
-            return traced_region(type(module).forward, (module, *args), kwargs, hooks.policy, hooks.name)
-        return type(module).forward(module, *args, **kwargs)
+def _is_traced_forward(f) -> bool:
+    return isinstance(f, functools.partial) and f.func is _traced_forward
 
 
 # --- public entry points -----------------------------------------------------------------
@@ -658,7 +655,7 @@ def unwrap(obj):
                 for h in spec.handles:
                     h.remove()
                 del m.__dict__["_tracedac"]
-                if isinstance(m.__dict__.get("forward"), _TracedForward):
+                if _is_traced_forward(m.__dict__.get("forward")):
                     del m.__dict__["forward"]
             elif spec is not None:
                 spec.disable()  # an integration's state (tracedac.integrations.hf)
