@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from . import compiled
 from .errors import CheckpointError
 from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes
 
@@ -350,6 +351,35 @@ def _arg(env: _Env, a):
     return a
 
 
+def _on(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
+    """A tensor laid out as ``m`` on ``t``'s storage (``t`` itself when it already is)."""
+    if t.size() == m.size and t.stride() == m.stride and t.storage_offset() == m.offset and t.dtype == m.dtype:
+        return t
+    return torch.empty(0, dtype=m.dtype, device=t.device).set_(t.untyped_storage(), m.offset, m.size, m.stride)
+
+
+def _run_compiled(graph: RegionGraph, p: Plan, slots: list) -> bool:
+    """Fill ``slots`` from plan ``p`` run as one compiled function (``compiled.py``); False
+    where that path does not take the plan (then it replays op by op)."""
+    groups, starts = graph.groups, p.starts
+    sources: dict[int, torch.Tensor] = {}
+
+    def source(m: TensorMeta) -> torch.Tensor:
+        t = sources.get(m.group)
+        if t is None:
+            t = sources[m.group] = _source(groups[m.group], starts[m.group][0])
+        return _on(t, m)
+
+    with torch.no_grad():
+        made = compiled.run(graph, p, source, {s.meta.group for s in slots})
+        if made is None:
+            return False
+        for s in slots:
+            o = made.get(s.meta.group)
+            s.value = _on(o, s.meta) if o is not None else source(s.meta)
+    return True
+
+
 def run_pass(graph: RegionGraph, caller: Slot) -> None:
     """Rebuild ``caller``'s value and that of every handle of ``graph`` backward still waits for."""
     slots = [s for s in graph.slots() if s.wanted and s is not caller]
@@ -366,6 +396,8 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
             raise _changed_error(graph, changed[0]) from None
     graph.passes += 1
     graph.replayed_ops += len(p.nodes)
+    if compiled._enabled and not _fill_nan and _run_compiled(graph, p, slots):
+        return
     reads, last_use = p.reads, p.last_use()
     nodes, groups, starts = graph.nodes, graph.groups, p.starts
 
