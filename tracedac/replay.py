@@ -382,6 +382,13 @@ def _run_compiled(graph: RegionGraph, p: Plan, slots: list) -> bool:
 
 def run_pass(graph: RegionGraph, caller: Slot) -> None:
     """Rebuild ``caller``'s value and that of every handle of ``graph`` backward still waits for."""
+    if torch.autograd._profiler_enabled():  # one event per pass, for `python -m tracedac.bench --profile`
+        with torch.autograd.profiler.record_function("tracedac::replay"):
+            return _run_pass(graph, caller)
+    return _run_pass(graph, caller)
+
+
+def _run_pass(graph: RegionGraph, caller: Slot) -> None:
     slots = [s for s in graph.slots() if s.wanted and s is not caller]
     slots.append(caller)
     wanted = frozenset([(s.meta.group, s.meta.state) for s in slots])

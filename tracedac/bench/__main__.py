@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="width of each expert's feed-forward (%(default)s)")
     size.add_argument("--vocab", type=int, default=default.vocab, help="vocabulary size (%(default)s)")
     size.add_argument("--batch", type=int, default=default.batch, help="sequences per step (%(default)s)")
+    size.add_argument("--dropout", type=float, default=default.dropout, help="dropout probability (%(default)s)")
     size.add_argument("--seq", type=int, default=default.seq, help="tokens per sequence (%(default)s)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant, after one untimed "
                    "(8; 3 with --planners; 4 with --zero, whose bf16 steps take seconds on CPUs without AVX512-BF16)")
@@ -50,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the planner benchmark instead: memory_budget at budgets 0.0 to 1.0 against "
                    "torch.compile's activation_memory_budget on a 2-layer Llama (size flags are ignored; "
                    "--steps, --quick, --json, --quiet, --system-malloc apply)")
+    p.add_argument("--profile", action="store_true", help="profile one step instead (torch.profiler): the "
+                   "recorded forward and the replaying backward of tracedac recompute_all beside the plain "
+                   "model's, time inside aten ops and outside them, the costliest ops (see profile.py)")
+    p.add_argument("--compiled-replay", action="store_true", help="replay through compiled functions "
+                   "(tracedac.compiled_replay(True)) in every tracedac variant")
     p.add_argument("--zero", action="store_true", help="compare ZeRO-3 implementations instead; run it as "
                    "`torchrun --nproc-per-node 2 -m tracedac.bench --zero`")
     p.add_argument("--init-method", default="env://", help="with --zero: the process group's rendezvous "
@@ -78,6 +84,10 @@ def _write_json(path: str, figures: dict) -> None:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.compiled_replay:
+        import tracedac
+
+        tracedac.compiled_replay(True)
     if args.kernels:
         try:
             from . import kernels  # imported here: it may need packages the comparison does not
@@ -103,6 +113,16 @@ def main(argv=None) -> int:
         print(planners.format_report(figures))
     elif args.zero:
         return _zero(parser, args)
+    elif args.profile:
+        from . import checkpointing, profile
+
+        cfg = checkpointing.QUICK if args.quick else _config(args)
+        try:
+            checkpointing.check_settings(cfg, 1, args.device)
+        except ValueError as e:
+            parser.error(str(e))
+        figures = profile.run(cfg, args.device, compiled_replay=args.compiled_replay)
+        print(profile.format_report(figures))
     else:
         from . import checkpointing, probe
 
