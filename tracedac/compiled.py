@@ -12,7 +12,8 @@ A pass is compiled only where the result is the op-by-op result computed by othe
 kernels, never a different *kind* of result; everything else replays op by op:
 
 - no planned node writes a storage (writes, versions and borrowed storages stay the
-  op-by-op path's), draws random numbers (generator state), takes a ``Layout`` argument,
+  op-by-op path's), draws random numbers (inductor's generator is not eager's; attention
+  called with ``dropout_p=0`` draws none), takes a ``Layout`` argument,
   returns nested lists or comes from outside ``aten``/``prims`` (collectives, custom ops);
 - no dispatch mode is active and nothing is being compiled around us;
 - the compiled outputs come back with exactly the recorded geometry, each on a storage of
@@ -96,6 +97,16 @@ class _Program:
         self.fn = fn
 
 
+def _draws_nothing(node) -> bool:
+    """A random op called with ``dropout_p=0`` (attention without dropout: SDPA's kernels are
+    tagged random for their dropout) draws no random numbers: it is an ordinary op."""
+    for i, a in enumerate(node.op._schema.arguments):
+        if a.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+            return p == 0
+    return False
+
+
 def _structure(graph, p):
     """The plan's structure (hashable), the metas of its inputs in order, and the created
     groups whose values are returned; raises _Refused for what is not compiled."""
@@ -135,7 +146,7 @@ def _structure(graph, p):
             op = node.op
             if node.writes:
                 raise _Refused("writes")
-            if node.rng is not None:
+            if node.rng is not None and not _draws_nothing(node):
                 raise _Refused("random")
             if getattr(op, "namespace", None) not in _NAMESPACES:
                 raise _Refused(f"op {op}")

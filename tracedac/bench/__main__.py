@@ -54,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="profile one step instead (torch.profiler): the "
                    "recorded forward and the replaying backward of tracedac recompute_all beside the plain "
                    "model's, time inside aten ops and outside them, the costliest ops (see profile.py)")
+    p.add_argument("--llama", action="store_true", help="time a Llama-style decoder instead (llama_steps.py): "
+                   "torch's checkpoint (eager, selective, under torch.compile) against tracedac's policies and "
+                   "compiled replay; on cuda at the issue's size in bf16 (size flags are ignored; --steps, --quick, "
+                   "--json, --only apply)")
+    p.add_argument("--only", metavar="KEYS", help="with --llama: a comma-separated subset of its variants "
+                   "(none, torch, torch_sac, tracedac_recompute_all, tracedac_save_matmuls, "
+                   "tracedac_compiled_replay, torch_compile)")
     p.add_argument("--compiled-replay", action="store_true", help="replay through compiled functions "
                    "(tracedac.compiled_replay(True)) in every tracedac variant")
     p.add_argument("--zero", action="store_true", help="compare ZeRO-3 implementations instead; run it as "
@@ -113,6 +120,21 @@ def main(argv=None) -> int:
         print(planners.format_report(figures))
     elif args.zero:
         return _zero(parser, args)
+    elif args.llama:
+        from . import checkpointing, llama_steps
+
+        try:
+            checkpointing.check_settings(checkpointing.QUICK, 1, args.device)
+        except ValueError as e:
+            parser.error(str(e))
+        only = tuple(args.only.split(",")) if args.only else None
+        unknown = set(only or ()) - {v.key for v in llama_steps.VARIANTS}
+        if unknown:
+            parser.error(f"--only names unknown variants {sorted(unknown)}")
+        figures = llama_steps.run(llama_steps.QUICK if args.quick else None, device=args.device,
+                                  steps=args.steps or (2 if args.quick else 5), variants=only,
+                                  progress=None if args.quiet else sys.stderr)
+        print(llama_steps.format_report(figures))
     elif args.profile:
         from . import checkpointing, profile
 
