@@ -51,6 +51,10 @@ _enabled = os.environ.get("TRACEDAC_COMPILED_REPLAY", "") not in ("", "0")
 _REPEATS_BEFORE_COMPILE = 2
 _MAX_PROGRAMS = 256  # beyond this many structures, new ones replay op by op
 _NAMESPACES = frozenset(["aten", "prims"])
+# Replay reproduces what the forward computed: in bf16/fp16 keep eager's rounding after each
+# op instead of carrying fp32 through a fused chain (which would be closer to exact, and
+# further from the values the forward saw and the gradients eager computes).
+_OPTIONS = {"emulate_precision_casts": True}
 
 _lock = threading.Lock()
 _seen: Counter = Counter()  # structure -> passes seen before it was compiled
@@ -242,7 +246,7 @@ def run(graph, p, source, wanted_groups) -> dict | None:
         if prog is None:
             try:
                 gm = _build(graph, p, structure, len(inputs), outputs)
-                prog = _Program(torch._inductor.compile(gm, inputs))
+                prog = _Program(torch._inductor.compile(gm, inputs, options=_OPTIONS))
             except _Refused as e:
                 return _refuse(key, str(e))
             except Exception as e:  # inductor could not compile it: op by op is always right
