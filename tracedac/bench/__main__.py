@@ -4,7 +4,9 @@ By default it runs the checkpointing comparison on the embedded MoE model (see
 ``checkpointing``); ``--kernels`` runs the kernel benchmark instead; ``--planners`` the
 planner benchmark (``planners``: ``memory_budget`` against torch.compile's
 ``activation_memory_budget`` on a small Llama); and ``--zero``, under
-``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``). Progress goes to
+``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``); ``--profile``
+breaks one step down with torch.profiler (``profile``); ``--llama`` times a Llama-style decoder,
+the issue-18 GPU comparison (``llama_steps``). Progress goes to
 stderr, the table to stdout, and ``--json PATH`` writes every figure. Targets that are
 missed are marked FAIL in the output; the exit status stays 0, since a slow machine is not
 an error.
