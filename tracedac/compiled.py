@@ -138,8 +138,8 @@ def _structure(graph, p):
             return ref(a)
         if a.__class__ is Layout:
             raise _Refused("layout argument")
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__, *(arg(x) for x in a))
+        if isinstance(a, (list, tuple)):  # (a torch.Size is a tuple)
+            return ("list" if isinstance(a, list) else "tuple", *(arg(x) for x in a))
         hash(a)  # TypeError for what a structure cannot hold
         return a
 
@@ -167,6 +167,13 @@ def _structure(graph, p):
     return tuple(parts), input_metas, created
 
 
+def _end(size, stride, offset: int) -> int:
+    """One past the last storage element a tensor laid out so reaches (0 if it is empty)."""
+    if 0 in size:
+        return 0
+    return offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
+
+
 def _build(graph, p, key, n_inputs: int, outputs):
     """An FX graph of the plan's ops returning the node outputs ``outputs`` ((position, index))."""
     import torch.fx as fx
@@ -188,6 +195,11 @@ def _build(graph, p, key, n_inputs: int, outputs):
                 return out
             if dtype != base.dtype:
                 raise _Refused("dtype view")
+            # as_strided's offset counts from the start of the storage, and inductor's buffer
+            # for ``out`` starts where ``out`` does and ends at its last element (laid out
+            # with eager's strides, since an as_strided reads it)
+            if base.offset != 0 or _end(size, stride, offset) > _end(base.size, base.stride, 0):
+                raise _Refused("view outside its base")
             return g.call_function(torch.ops.aten.as_strided.default, (out, list(size), list(stride), offset))
         return type_of(r[0])(value(x) for x in r[1:])
 
