@@ -30,11 +30,12 @@ def test_the_profile_separates_the_recorder_and_the_replay_passes(capsys):
     assert "| tracedac | backward |" in text and "ops with most self CPU time" in text
 
 
-def test_the_cli_prints_the_profile(capsys):
+def test_the_cli_prints_the_llama_profile(capsys):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert main(["--profile", "--quick"]) == 0
+        assert main(["--profile", "--llama", "--quick"]) == 0
     finally:
         torch.set_num_threads(threads)
-    assert "| plain | forward |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| plain | forward |" in out and "'mlp_hidden': 64" in out  # the tiny Llama's config

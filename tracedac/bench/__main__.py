@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                    "--steps, --quick, --json, --quiet, --system-malloc apply)")
     p.add_argument("--profile", action="store_true", help="profile one step instead (torch.profiler): the "
                    "recorded forward and the replaying backward of tracedac recompute_all beside the plain "
-                   "model's, time inside aten ops and outside them, the costliest ops (see profile.py)")
+                   "model's, time inside aten ops and outside them, the costliest ops (see profile.py); with "
+                   "--llama, of the Llama-style decoder")
     p.add_argument("--llama", action="store_true", help="time a Llama-style decoder instead (llama_steps.py): "
                    "torch's checkpoint (eager, selective, under torch.compile) against tracedac's policies and "
                    "compiled replay; on cuda at the issue's size in bf16 (size flags are ignored; --steps, --quick, "
@@ -122,6 +123,19 @@ def main(argv=None) -> int:
         print(planners.format_report(figures))
     elif args.zero:
         return _zero(parser, args)
+    elif args.profile:
+        from . import checkpointing, llama_steps, profile
+
+        if args.llama:
+            cfg = llama_steps.QUICK if args.quick else (llama_steps.CUDA if args.device.startswith("cuda") else llama_steps.CPU)
+        else:
+            cfg = checkpointing.QUICK if args.quick else _config(args)
+        try:
+            checkpointing.check_settings(checkpointing.QUICK, 1, args.device)
+        except ValueError as e:
+            parser.error(str(e))
+        figures = profile.run(cfg, args.device, compiled_replay=args.compiled_replay)
+        print(profile.format_report(figures))
     elif args.llama:
         from . import checkpointing, llama_steps
 
@@ -137,16 +151,6 @@ def main(argv=None) -> int:
                                   steps=args.steps or (2 if args.quick else 5), variants=only,
                                   progress=None if args.quiet else sys.stderr)
         print(llama_steps.format_report(figures))
-    elif args.profile:
-        from . import checkpointing, profile
-
-        cfg = checkpointing.QUICK if args.quick else _config(args)
-        try:
-            checkpointing.check_settings(cfg, 1, args.device)
-        except ValueError as e:
-            parser.error(str(e))
-        figures = profile.run(cfg, args.device, compiled_replay=args.compiled_replay)
-        print(profile.format_report(figures))
     else:
         from . import checkpointing, probe
 

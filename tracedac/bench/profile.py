@@ -1,6 +1,7 @@
 """``python -m tracedac.bench --profile``: where a tracedac step's time goes, by torch.profiler.
 
-The bench's MoE model (``model.GPT``) with every block under tracedac ``recompute_all``
+The bench's MoE model (``model.GPT``; with ``--llama``, ``llama_steps``' Llama-style decoder)
+with every block under tracedac ``recompute_all``
 (or the plain model, for the baseline), one untimed step, then one profiled step split in
 its two halves: the *recorded forward* and the *replaying backward*. For each half:
 
@@ -26,13 +27,15 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import asdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tracedac
 
-from .model import GPT, Block, Config, make_batch
+from .llama import DecoderLayer, Llama, LlamaConfig
+from .model import GPT, Block, make_batch
 
 __all__ = ["run", "format_report"]
 
@@ -79,17 +82,21 @@ def _profiled(fn, device):
     return out, _half(prof.key_averages(), wall, device.type == "cuda")
 
 
-def run(cfg: Config, device: str = "cpu", compiled_replay: bool = False) -> dict:
+def run(cfg, device: str = "cpu", compiled_replay: bool = False) -> dict:
+    """Profile the MoE model (``cfg`` a ``model.Config``) or the Llama-style decoder (a
+    ``llama.LlamaConfig``: bf16 on CUDA, as ``--llama`` runs it)."""
     dev = torch.device(device)
-    base = GPT.seeded(cfg).to(dev)
+    if isinstance(cfg, LlamaConfig):
+        base, unit = Llama.seeded(cfg).to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32), DecoderLayer
+    else:
+        base, unit = GPT.seeded(cfg).to(dev), Block
     batch = tuple(t.to(dev) for t in make_batch(cfg))
     before = tracedac.compiled_replay(compiled_replay)
-    result = {"config": vars(cfg) if not hasattr(cfg, "__dataclass_fields__") else
-              {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+    result = {"config": asdict(cfg),
               "device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(),
               "compiled_replay": compiled_replay}
     try:
-        for key, model in (("plain", copy.deepcopy(base)), ("tracedac", tracedac.wrap(copy.deepcopy(base), Block))):
+        for key, model in (("plain", copy.deepcopy(base)), ("tracedac", tracedac.wrap(copy.deepcopy(base), unit))):
             for _ in range(2):  # warm-up (a second for compiled replay: it compiles on the second sight)
                 torch.manual_seed(cfg.seed)
                 model(*batch).backward()
