@@ -1,4 +1,4 @@
-"""Compiled replay (tracedac/compiled.py): a repeated replay runs as one inductor function
+"""Compiled replay (tracedac/replay_compiled.py): a repeated replay runs as one inductor function
 and gives op-by-op replay's values; what it cannot guarantee replays op by op."""
 
 import pytest
@@ -7,7 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tracedac
-from tracedac import compiled, policies
+from tracedac import policies
+from tracedac import replay_compiled as compiled
 
 from .util import OpCounter
 

@@ -23,7 +23,7 @@ def execute(name: str, tmp_path) -> str:
 
 def test_every_notebook_is_tested():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == ["01_tour.ipynb", "02_memory_budget.ipynb",
-                                                                  "05_huggingface.ipynb"]
+                                                                  "03_compile.ipynb", "05_huggingface.ipynb"]
 
 
 def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twice_under_torch(tmp_path):
@@ -43,6 +43,16 @@ def test_the_memory_budget_notebook_sweeps_plots_picks_and_reports(tmp_path):
     assert "within budget: True" in text
     assert "last step's gradients bitwise equal to the un-checkpointed block's: True" in text
     assert "min_cut keeps" in text
+
+
+def test_the_compile_notebook_shows_each_policys_partition_side_effects_and_gradients(tmp_path):
+    text = execute("03_compile.ipynb", tmp_path)
+    assert "no checkpoint:" in text and "recompute_all()" in text and "memory_budget(0.5)" in text
+    assert "save_matmuls() -> MUST_SAVE" in text, "print_saved names the decision of each saved value"
+    assert "replayed in backward under recompute_all():" in text and "aten.addmm.default" in text
+    assert "Block|memory_budget(0.1)" in text and "Block|memory_budget(0.9)" in text
+    assert "tokens counted: 128 (true count 128)" in text
+    assert "gradients equal to the compiled model without checkpointing: True" in text
 
 
 def test_the_huggingface_notebook_trains_with_tracedac_under_the_trainer(tmp_path):

@@ -39,6 +39,14 @@ OPS = [op for op in common_methods_invocations.op_db
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
 
 
+# Ops whose eager result is not bitwise reproducible, compared within float64's tolerance.
+NOT_BITWISE_IN_EAGER = {
+    # LAPACK's gelsy on an underdetermined system: eager against eager differs in the last
+    # bit depending on where its buffers land in memory (the forward outputs differ too)
+    "linalg.lstsq",
+}
+
+
 def documented_refusals() -> dict[str, str]:
     """``op name -> reason`` from the refusal table of docs/ops.md (rows "| `name` | reason |")."""
     rows = re.findall(r"^\| `([^`]+)` \| (.+?) \|$", DOCS.read_text(), flags=re.M)
@@ -108,12 +116,14 @@ def _execute(case: _Case, policy):
     return outs, grads, state
 
 
-def _same(a, b) -> bool:
+def _same(a, b, bitwise=True) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
         if a.dtype is torch.complex32 and b.dtype is torch.complex32:  # no kernels to compare with
             a, b = a.to(torch.complex64), b.to(torch.complex64)
+        if not bitwise and a.is_floating_point() and a.shape == b.shape and a.dtype == b.dtype:
+            return bool(torch.allclose(a, b, rtol=1e-7, atol=1e-12, equal_nan=True))
         return a.shape == b.shape and a.dtype == b.dtype and bool(
             torch.equal(a, b) or (a.is_floating_point() or a.is_complex()) and torch.equal(a.isnan(), b.isnan())
             and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)))
@@ -141,8 +151,9 @@ def check_op(op, refusals: dict) -> tuple[int, list[str]]:
                 except Exception as e:  # a crash that is not a refusal
                     problems.append(f"{variant} under {policy}: {type(e).__name__}: {e}")
                     continue
+                bitwise = op.name not in NOT_BITWISE_IN_EAGER
                 for what, a, b in zip(("outputs", "gradients", "final arguments"), expected, got):
-                    if len(a) != len(b) or not all(_same(x, y) for x, y in zip(a, b)):
+                    if len(a) != len(b) or not all(_same(x, y, bitwise) for x, y in zip(a, b)):
                         problems.append(f"{variant} under {policy}: wrong {what}")
     return checked, problems
 

@@ -112,3 +112,27 @@ def test_a_policy_that_returns_something_else_is_refused_with_the_fix():
         checkpoint(lambda x: x.exp().sum(), policy=lambda node: True)(x)
     with pytest.raises(CheckpointError, match="does not offload"):
         checkpoint(lambda x: x.exp().sum(), policy=lambda node: CheckpointPolicy.MUST_CPU_OFFLOAD)(x)
+
+
+def test_a_write_to_node_meta_recompute_is_the_decision_and_other_keys_stay():
+    """``node.meta`` must behave as torch's fx.Node.meta: a write is never silently lost."""
+    from tracedac.graph import Node
+
+    node = Node(0, torch.ops.aten.mm.default, (), {}, (), (), (), None, None, None)
+    assert "recompute" not in node.meta and len(node.meta) == 0
+    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    node.meta["ac_graph_id"] = 3
+    assert node.decision is CheckpointPolicy.MUST_SAVE
+    assert dict(node.meta) == {"recompute": CheckpointPolicy.MUST_SAVE, "ac_graph_id": 3}
+
+
+def test_policies_and_planners_import_no_cycle():
+    """The decisions module is the leaf: planners never import policies."""
+    import ast
+    import pathlib
+
+    import tracedac.planners as planners
+
+    tree = ast.parse(pathlib.Path(planners.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "policies" not in imported and "decisions" in imported

@@ -16,18 +16,23 @@ import weakref
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
+from .compile import name_op, traced_region
 from .errors import CheckpointError
+from .decisions import is_save, resolve
 from .graph import RegionGraph
 from .planners import Planning, input_signature, planner_of
-from .policies import RECOMPUTE_OPS, check_policy, decision, is_save, recompute_all
+from .policies import check_policy, recompute_all
 from .replay import Slot, plan
 from .trace import TracerMode, track_modules
 
 __all__ = ["checkpoint", "checkpoint_call", "name", "unwrap", "wrap"]
 
 _local = threading.local()
+# Modes under which a region is being traced, not run: its ops are marked, not recorded.
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
 
 
 def _stack() -> list:
@@ -106,9 +111,7 @@ class Region:
     # -- recording --
     def decide(self, node) -> bool:
         """Decide ``node`` (``node.decision``); whether to hold its result until the region ends."""
-        d = self.constant or decision(self.policy, node)
-        if d is not CheckpointPolicy.MUST_SAVE and id(node.op) in RECOMPUTE_OPS:
-            d = CheckpointPolicy.MUST_RECOMPUTE  # a ZeRO-3 gather: only MUST_SAVE keeps it
+        d = resolve(self.policy, node, self.constant)
         if self.planning is not None:
             return self.planning.decide(node, d)
         node.decision = d
@@ -407,6 +410,17 @@ def current_region() -> Region | None:
     return stack[-1] if stack else None
 
 
+def tracing(args=(), kwargs=None) -> bool:
+    """Whether a tracer (dynamo, make_fx, export, a fake-tensor mode) is running the region:
+    then no recorder runs and the region's ops are marked instead (``tracedac.compile``)."""
+    if torch.compiler.is_compiling():
+        return True
+    for key in _TRACING_MODES:
+        if torch._C._get_dispatch_mode(key) is not None:
+            return True
+    return any(isinstance(a, _FakeTensor) for a in (*args, *(kwargs or {}).values()))
+
+
 def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names=None, report=False):
     """Call ``fn`` once inside a region (or plainly when no gradient is being recorded).
 
@@ -447,8 +461,8 @@ class _ModuleHooks:
         self.handles = ()
 
     def pre(self, module, args):
-        if not torch.is_grad_enabled():
-            return None
+        if not torch.is_grad_enabled() or tracing(args):
+            return None  # traced: the module's forward marks its ops (_TracedForward)
         if self.names is None:
             prefix = f"{self.name}." if self.qualified else ""
             self.names = {id(m): (prefix + n) if n else self.name for n, m in module.named_modules()}
@@ -458,6 +472,8 @@ class _ModuleHooks:
         return None
 
     def post(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return None
         region = current_region()
         if region is None or getattr(region, "owner", None) is not module:
             return None
@@ -483,7 +499,27 @@ def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn
         module.register_forward_hook(hooks.post, always_call=True),
     )
     module._tracedac = hooks
+    if "forward" not in module.__dict__:  # (a forward set on the instance is left alone: eager only)
+        module.forward = _TracedForward(module)
     return module
+
+
+class _TracedForward:
+    """A checkpointed module's forward, set on the instance. Eager, the hooks record the call;
+    traced, its ops are marked (a context manager cannot span two hooks under dynamo, so the
+    mark is made here). An object rather than a bound method, so the module still pickles."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        module = self.module
+        hooks = getattr(module, "_tracedac", None)
+        if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
+            return traced_region(type(module).forward, (module, *args), kwargs, hooks.policy, hooks.name)
+        return type(module).forward(module, *args, **kwargs)
 
 
 # --- public entry points -----------------------------------------------------------------
@@ -620,6 +656,8 @@ def unwrap(obj):
                 for h in spec.handles:
                     h.remove()
                 del m.__dict__["_tracedac"]
+                if isinstance(m.__dict__.get("forward"), _TracedForward):
+                    del m.__dict__["forward"]
             elif spec is not None:
                 spec.disable()  # an integration's state (tracedac.integrations.hf)
         return obj
@@ -633,12 +671,15 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """Label ``tensor`` for policies (``save_names``) and reports; returns ``tensor``.
 
     Inside a region it labels the op that produced the tensor's current value; outside any
-    region it does nothing.
+    region it does nothing. Under ``torch.compile`` (or another tracer) it is an identity op
+    (``tracedac::label``) that carries the label into the graph.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"name() labels a tensor, got {type(tensor).__name__}")
     if not isinstance(label, str) or not label:
         raise TypeError(f"name() takes a non-empty string label, got {label!r}")
+    if tracing((tensor,)):
+        return name_op(tensor, label)  # an op, so the label reaches the compiled graph
     for region in getattr(_local, "regions", ()):
         if region.tracer is None:
             continue

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 
-__all__ = ["Group", "Layout", "Node", "RegionGraph", "TensorMeta", "flatten_outputs", "human_bytes", "op_flops"]
+__all__ = ["Group", "Layout", "Node", "NodeMeta", "RegionGraph", "TensorMeta", "flatten_outputs", "human_bytes", "op_flops"]
 
 
 class TensorMeta:
@@ -85,7 +86,7 @@ class Node:
 
     __slots__ = (
         "index", "op", "args", "kwargs", "outputs", "writes", "creates", "rng",
-        "labels", "module_path", "source", "decision", "_flops",
+        "labels", "module_path", "source", "decision", "_flops", "_meta",
     )
 
     def __init__(self, index, op, args, kwargs, outputs, writes, creates, rng, module_path, source):
@@ -106,11 +107,15 @@ class Node:
         self.source = source
         self.decision = None  # the CheckpointPolicy decided for this node
         self._flops = None
+        self._meta = None  # made on first use of ``meta``: most nodes never need one
 
     @property
-    def meta(self) -> dict[str, Any]:
-        """``{"recompute": decision}``: the decision where torch's graph nodes carry it."""
-        return {"recompute": self.decision}
+    def meta(self) -> NodeMeta:
+        """A dict like torch's ``fx.Node.meta``; ``meta["recompute"]`` is ``decision`` (read
+        and written through), every other key is stored on the node."""
+        if self._meta is None:
+            self._meta = NodeMeta(self)
+        return self._meta
 
     @property
     def name(self) -> str:
@@ -155,6 +160,45 @@ class Node:
 
     def __repr__(self) -> str:
         return f"Node({self.index}, {self.name})"
+
+
+class NodeMeta(MutableMapping):
+    """``Node.meta``: ``"recompute"`` is the node's ``decision``; other keys live here."""
+
+    __slots__ = ("node", "extra")
+
+    def __init__(self, node: Node):
+        self.node = node
+        self.extra: dict[str, Any] = {}
+
+    def __getitem__(self, key: str):
+        if key == "recompute":
+            if self.node.decision is None:
+                raise KeyError(key)
+            return self.node.decision
+        return self.extra[key]
+
+    def __setitem__(self, key: str, value) -> None:
+        if key == "recompute":
+            self.node.decision = value
+        else:
+            self.extra[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key == "recompute":
+            if self.node.decision is None:
+                raise KeyError(key)
+            self.node.decision = None
+        else:
+            del self.extra[key]
+
+    def __iter__(self):
+        if self.node.decision is not None:
+            yield "recompute"
+        yield from self.extra
+
+    def __len__(self) -> int:
+        return (self.node.decision is not None) + len(self.extra)
 
 
 class Group:

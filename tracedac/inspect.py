@@ -9,6 +9,9 @@ import torch
 from torch import nn
 
 from .checkpoint import Region, reporting, run_region
+from .compile.report import compiled_target
+from .compile.report import report as compiled_report
+from .errors import CheckpointError
 from .graph import RegionGraph, human_bytes
 from .planners import PREFER_SAVE, planner_of
 from .policies import check_policy, describe_policy, recompute_all
@@ -180,8 +183,20 @@ def saved_report(fn, *args, policy=None, **kwargs) -> SavedReport:
 
     ``fn`` may be a plain function or module (run in one region under ``policy``, default
     ``recompute_all()``), or something already checkpointed by tracedac (run under its own
-    policy, or ``policy`` if given). Regions nested inside are reported too.
+    policy, or ``policy`` if given). Regions nested inside are reported too. For a
+    ``torch.compile`` result, the rows are what the compiled graph saves for backward
+    (``tracedac.compile.report``: torch's min-cut partition, as ``aot_eager_decomp_partition``
+    makes it).
     """
+    target = compiled_target(fn)
+    if target is not None:  # a torch.compile result: what its compiled graph saves
+        if policy is not None:
+            raise CheckpointError(
+                "saved_report(policy=...) does not apply to a torch.compile'd callable: its regions' "
+                "own policies decide what the compiled graph saves. Drop policy=, or pass the "
+                "uncompiled callable to see the eager recording under that policy."
+            )
+        return compiled_report(target, *args, **kwargs)
     regions, out = record(fn, args, kwargs, policy)
     report = SavedReport()
     for region in regions:

@@ -31,17 +31,13 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .decisions import MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE
 from .errors import CheckpointError
 from .graph import Node, RegionGraph, human_bytes
 
 __all__ = [
-    "MemoryBudget", "MinCut", "Planner", "bundles_of", "closure", "costs", "knapsack", "min_cut_keep", "node_cost",
+    "MemoryBudget", "MinCut", "Planner", "Problem", "bundles_of", "closure", "costs", "knapsack", "min_cut_keep", "node_cost", "problem",
 ]
-
-MUST_SAVE = CheckpointPolicy.MUST_SAVE
-PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
-MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
-PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 
 # The dynamic program's table has at most this many capacity cells; beyond it, bytes are
 # counted in coarser units (see ``knapsack``): a few milliseconds, since an MoE block whose
@@ -235,8 +231,6 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
     """
     import networkx as nx
 
-    from .policies import MATMUL_OPS  # (policies imports this module)
-
     decisions = decisions or {}
     groups, nodes = graph.groups, graph.nodes
     banned = {} if replay_matmuls else MATMUL_OPS
@@ -310,16 +304,40 @@ def region_values(graph: RegionGraph, slots) -> set:
             if not s.exact and groups[s.meta.group].creator is not None}
 
 
-def items_of(graph: RegionGraph, wanted) -> list[int]:
-    """The storages a planner chooses among: wanted in their final state, the state a kept
-    storage holds."""
+@dataclass
+class Problem:
+    """What a planner decides on, built once per graph by ``problem`` from either kind of
+    graph (a recorded region, or one built from a compiled joint graph).
+
+    ``items`` are the storages the region computed that backward reads, in their final state
+    (the state a kept storage holds); ``wanted`` every (group, state) backward needs;
+    ``forced_in``/``forced_out`` what MUST decisions (or a result already let go) settle;
+    ``full`` the bytes kept without checkpointing; ``live`` the storages that can still be
+    kept (None: all); ``reserved`` bytes of the budget that go to values kept whatever the
+    plan (under compile: a region's result that the next region reads)."""
+
+    graph: RegionGraph
+    wanted: set
+    items: list
+    full: int
+    forced_in: list
+    forced_out: set
+    live: set | None = None
+    reserved: int = 0
+
+
+def problem(graph: RegionGraph, wanted, live=None, held=()) -> Problem:
+    """The planning problem for ``wanted`` ((group, state) pairs backward needs). ``live``
+    limits what can still be kept; ``held`` are storages held outside ``wanted`` whose MUST_SAVE
+    binds the budget too."""
     groups = graph.groups
-    return sorted({gid for gid, st in wanted if st == len(groups[gid].mutations)})
-
-
-def full_bytes(graph: RegionGraph, wanted) -> int:
-    """What the region would keep without checkpointing: every storage wanted, once."""
-    return sum(graph.groups[gid].nbytes for gid in {gid for gid, _ in wanted})
+    items = sorted({gid for gid, st in wanted if st == len(groups[gid].mutations)})
+    full = sum(groups[gid].nbytes for gid in {gid for gid, _ in wanted})
+    forced_in = [g for g in items if groups[g].node.decision is MUST_SAVE]
+    forced_in += [g for g in held if g not in items and groups[g].node.decision is MUST_SAVE]
+    forced_out = {g for g in items if (live is not None and g not in live)
+                  or groups[g].node.decision is MUST_RECOMPUTE}
+    return Problem(graph, set(wanted), items, full, forced_in, forced_out, live)
 
 
 def must_decisions(graph: RegionGraph) -> dict:
@@ -339,11 +357,8 @@ class Planner:
     def __call__(self, node) -> CheckpointPolicy:
         return PREFER_RECOMPUTE
 
-    def choose(self, graph, items, wanted, forced_in, forced_out, full, live) -> set[int]:
-        """The group ids to keep: ``items`` are the storages autograd saved in their final
-        state, ``wanted`` every (group, state) backward needs, ``forced_in``/``forced_out``
-        what MUST decisions (or a result already let go) settle, ``full`` the bytes kept
-        without checkpointing, ``live`` the storages that can still be kept."""
+    def choose(self, p: Problem) -> set[int]:
+        """The group ids to keep (see ``Problem``)."""
         raise NotImplementedError
 
 
@@ -360,12 +375,13 @@ class MemoryBudget(Planner):
             return int(self.budget * full)  # rounded down: never above the fraction
         return self.budget
 
-    def choose(self, graph, items, wanted, forced_in, forced_out, full, live) -> set[int]:
-        return self.prepare(graph, items, forced_in, forced_out)(self.bytes_for(full), self)
+    def choose(self, p: Problem) -> set[int]:
+        return self.prepare(p)(max(0, self.bytes_for(p.full) - p.reserved), self)
 
-    def prepare(self, graph, items, forced_in, forced_out):
-        """The knapsack for this graph, priced once: a function of the byte limit (and the
+    def prepare(self, p: Problem):
+        """The knapsack for this problem, priced once: a function of the byte limit (and the
         planner, for messages), so a sweep over budgets (``trade_off``) prices it once."""
+        graph, items, forced_in, forced_out = p.graph, p.items, p.forced_in, p.forced_out
         groups = graph.groups
         forced = set(forced_in)
         forced_bytes = sum(groups[g].nbytes for g in forced)
@@ -399,9 +415,9 @@ class MinCut(Planner):
     replay_matmuls: bool = False
     holds_unsaved = True
 
-    def choose(self, graph, items, wanted, forced_in, forced_out, full, live) -> set[int]:
-        keep, _, _ = min_cut_keep(graph, wanted, replay_matmuls=self.replay_matmuls,
-                                  decisions=must_decisions(graph), keepable=live)
+    def choose(self, p: Problem) -> set[int]:
+        keep, _, _ = min_cut_keep(p.graph, p.wanted, replay_matmuls=self.replay_matmuls,
+                                  decisions=must_decisions(p.graph), keepable=p.live)
         return set(keep)
 
     def __repr__(self) -> str:
@@ -522,14 +538,9 @@ class Planning:
         self.planned_now = True
         plans.made += 1
         groups = graph.groups
-        items = items_of(graph, wanted)
-        full = full_bytes(graph, wanted)
         live = {s.meta.group for s in kept_slots} | {g.id for g in groups if g.held is not None}
-        forced_in = [g for g in items if groups[g].node.decision is MUST_SAVE]
-        forced_in += [g.id for g in groups if g.held is not None and g.node is not None
-                      and g.node.decision is MUST_SAVE and g.id not in items]
-        forced_out = {g for g in items if g not in live or groups[g].node.decision is MUST_RECOMPUTE}
-        keep = self.planner.choose(graph, items, wanted, forced_in, forced_out, full, live)
+        held = [g.id for g in groups if g.held is not None and g.node is not None]
+        keep = self.planner.choose(problem(graph, wanted, live, held))
         keep = {g for g in keep if g in live}
         # Apply: the chosen storages stay; everything else held for the plan is let go.
         for node in graph.nodes:

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .decisions import (  # noqa: F401 (re-exported: callers found them here first)
+    MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, RECOMPUTE_OPS, decision, is_save,
+    recompute_by_default,
+)
 from .errors import CheckpointError
-from .planners import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, MemoryBudget, MinCut, Planner
+from .planners import MemoryBudget, MinCut, Planner
 
+# decision, is_save, RECOMPUTE_OPS and recompute_by_default live in .decisions (a leaf
+# module); they are re-exported here, where callers found them first.
 __all__ = [
     "CheckpointPolicy",
     "MATMUL_OPS",
@@ -37,35 +42,6 @@ __all__ = [
     "save_names",
     "save_ops",
 ]
-
-aten = torch.ops.aten
-
-# The ops `save_matmuls()` keeps, each with why it is worth its bytes.
-MATMUL_OPS: dict[OpOverloadPacket, str] = {
-    aten.mm: "a matmul replays O(n^3) FLOPs to rebuild O(n^2) bytes",
-    aten.addmm: "nn.Linear with a bias lowers to addmm: a matmul",
-    aten.bmm: "batched matmul (attention scores, MoE experts): a matmul per batch entry",
-    aten.baddbmm: "batched matmul with an added input: as bmm",
-    aten._scaled_dot_product_flash_attention: "attention (CUDA flash): quadratic in sequence length to replay",
-    aten._scaled_dot_product_efficient_attention: "attention (memory-efficient kernel): as flash",
-    aten._scaled_dot_product_cudnn_attention: "attention (cuDNN kernel): as flash",
-    aten._scaled_dot_product_flash_attention_for_cpu: "attention (CPU flash kernel): as flash",
-}
-
-
-# Ops a region replays unless a policy returns MUST_SAVE for them: their node's decision
-# becomes MUST_RECOMPUTE whatever a PREFER policy (save_all(), a planner) said. id(op) ->
-# (op, why). tracedac.zero registers its all-gather here when imported: keeping a gathered
-# parameter would pin the full unit, which is what ZeRO-3 exists to avoid.
-RECOMPUTE_OPS: dict[int, tuple] = {}
-
-
-def recompute_by_default(op: OpOverload, reason: str) -> None:
-    """Make ``op``'s nodes MUST_RECOMPUTE unless a policy says MUST_SAVE (see ``RECOMPUTE_OPS``)."""
-    if not isinstance(op, OpOverload):
-        raise TypeError(f"recompute_by_default() takes an OpOverload (torch.ops.ns.op.default), got {op!r}")
-    RECOMPUTE_OPS[id(op)] = (op, reason)
-
 
 def _packet(op):
     return getattr(op, "overloadpacket", op)
@@ -266,23 +242,3 @@ def describe_policy(policy) -> str:
     if isinstance(policy, (RecomputeAll, SaveAll, SaveOps, SaveNames, Either, Planner)):
         return repr(policy)
     return getattr(policy, "__qualname__", None) or repr(policy)
-
-
-def decision(policy, node) -> CheckpointPolicy:
-    """``policy(node)``, checked: a CheckpointPolicy tracedac can carry out."""
-    d = policy(node)
-    if not isinstance(d, CheckpointPolicy):
-        raise CheckpointError(
-            f"policy {policy!r} returned {d!r} for {node.name}; a policy must return a "
-            "torch.utils.checkpoint.CheckpointPolicy such as CheckpointPolicy.MUST_SAVE."
-        )
-    if d in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD):
-        raise CheckpointError(
-            f"policy {policy!r} asked to offload {node.name} to CPU; tracedac keeps or replays "
-            "and does not offload. Return a SAVE or RECOMPUTE decision instead."
-        )
-    return d
-
-
-def is_save(d: CheckpointPolicy) -> bool:
-    return d is MUST_SAVE or d is PREFER_SAVE

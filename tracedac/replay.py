@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from . import compiled
+from . import replay_compiled as compiled
 from .errors import CheckpointError
 from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes
 
@@ -359,7 +359,7 @@ def _on(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
 
 
 def _run_compiled(graph: RegionGraph, p: Plan, slots: list) -> bool:
-    """Fill ``slots`` from plan ``p`` run as one compiled function (``compiled.py``); False
+    """Fill ``slots`` from plan ``p`` run as one compiled function (``replay_compiled.py``); False
     where that path does not take the plan (then it replays op by op)."""
     groups, starts = graph.groups, p.starts
     sources: dict[int, torch.Tensor] = {}

@@ -29,9 +29,9 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
 class _OpInfo:
-    __slots__ = ("writes", "rebinds", "seeded", "view", "layout_only", "hidden")
+    __slots__ = ("writes", "rebinds", "seeded", "view", "layout_only", "hidden", "bare")
 
-    def __init__(self, writes, rebinds, seeded, view, layout_only=False, hidden=None):
+    def __init__(self, writes, rebinds, seeded, view, layout_only=False, hidden=None, bare=False):
         self.writes = writes  # ((position, name), ...) of arguments whose data the op writes
         # writes its schema does not declare (writes.hidden_writes: BatchNorm's running
         # statistics), decided per call by a flag argument
@@ -42,6 +42,7 @@ class _OpInfo:
         # is nothing to record; a third of a transformer's ops
         self.view = view
         self.layout_only = layout_only  # reads only the layout of its first argument (_LAYOUT_ONLY)
+        self.bare = bare  # returns no tensor and writes none (prim.device, item): run it, nothing else
 
 
 _aten = torch.ops.aten
@@ -69,11 +70,18 @@ def op_info(func) -> _OpInfo:
     # as long as the tensor stays on its storage (set_ and a growing resize_ do not).
     seeded = torch.Tag.nondeterministic_seeded in tags
     hidden = hidden_writes(func) if isinstance(func, torch._ops.OpOverload) else None
-    view = bool(getattr(func, "is_view", False)) and not written and not seeded and hidden is None
+    # An op that returns no tensor and writes none (prim.device, sym_size, item): nothing to
+    # replay, run it bare. (Such ops also reach the mode from C++, where an exception would
+    # abort the process.)
+    returns_tensor = any(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType))
+                         for r in func._schema.returns)
+    bare = not returns_tensor and not written and not seeded and hidden is None
+    view = (bool(getattr(func, "is_view", False)) and not written and not seeded and hidden is None) or bare
     if torch.Tag.inplace_view in tags:
         info = _OpInfo((), written, seeded, False)
     else:
-        info = _OpInfo(written, (), seeded, view, getattr(func, "overloadpacket", None) in _LAYOUT_ONLY, hidden)
+        info = _OpInfo(written, (), seeded, view, getattr(func, "overloadpacket", None) in _LAYOUT_ONLY, hidden,
+                       bare)
     _INFO[id(func)] = (func, info)  # by id: OpOverload.__hash__ is a Python method; func pins the id
     return info
 
@@ -217,6 +225,13 @@ class TracerMode(TorchDispatchMode):
         # call imports torch._dynamo (seconds, tens of MiB) and each call pays for the frame.
         # The region never compiles inside the mode, so opt out.
         return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this, dynamo skips (for good) the code of a compiled function first called
+        # inside a region. Compiled code then runs as compiled: the ops it dispatches are
+        # recorded, and results of fused kernels the mode does not see are held as inputs.
+        return True
 
     def __init__(self, graph: RegionGraph, region):
         super().__init__()
@@ -377,6 +392,8 @@ class TracerMode(TorchDispatchMode):
         info = info[1] if info is not None else op_info(func)
         storages = self.storages
         if info.view:
+            if info.bare:
+                return func._op(*args, **kwargs)
             # Only register an outside storage seen for the first time, so that its group
             # is made from the tensor the program passed (an input, a parameter), not from
             # a view of it; the view's geometry is read off it wherever it is used.

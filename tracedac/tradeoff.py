@@ -11,9 +11,7 @@ from dataclasses import dataclass
 
 from .graph import human_bytes
 from .inspect import record
-from .planners import (
-    MUST_RECOMPUTE, MUST_SAVE, MemoryBudget, Planner, closure, full_bytes, items_of, region_values,
-)
+from .planners import MemoryBudget, Planner, closure, problem, region_values
 from .policies import decision, either, is_save, memory_budget, recompute_all, save_all, save_matmuls
 
 __all__ = ["TradeOff", "TradeOffRow", "trade_off"]
@@ -73,13 +71,11 @@ class _Region:
 
     def __init__(self, region):
         self.graph = graph = region.graph
-        self.wanted = region_values(graph, region.handles)
-        self.items = items_of(graph, self.wanted)
+        self.problem = problem(graph, region_values(graph, region.handles))
+        self.wanted = self.problem.wanted
+        self.items = self.problem.items
         self.item_set = set(self.items)
-        self.full = full_bytes(graph, self.wanted)
-        groups = graph.groups
-        self.forced_in = [g for g in self.items if groups[g].node.decision is MUST_SAVE]
-        self.forced_out = {g for g in self.items if groups[g].node.decision is MUST_RECOMPUTE}
+        self.full = self.problem.full
         self._prepared: dict = {}
 
     def evaluate(self, kept: set) -> tuple[int, int, int]:
@@ -93,8 +89,7 @@ class _Region:
     def plan(self, planner: MemoryBudget) -> set:
         solve = self._prepared.get(planner.cost)
         if solve is None:  # priced once per cost model, whatever the number of budgets
-            solve = self._prepared[planner.cost] = planner.prepare(self.graph, self.items, self.forced_in,
-                                                                   self.forced_out)
+            solve = self._prepared[planner.cost] = planner.prepare(self.problem)
         return solve(planner.bytes_for(self.full), planner)
 
     def kept_by(self, policy) -> set:

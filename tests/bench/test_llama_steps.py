@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tracedac import compiled
+from tracedac import replay_compiled as compiled
 from tracedac.bench import llama_steps
 
 

@@ -250,3 +250,15 @@ def test_a_lora_model_trains_its_adapters_as_without_checkpointing_holding_no_mo
     hf.enable(model, policy=policies.save_all())
     assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), plain, strict=True))
     assert held_after_forward(model, inputs) <= plain_held + SLACK
+
+
+def test_every_n_layers_is_transformers_choice_of_layers():
+    model, inputs = build("llama", layers=4), batch()
+    hf.enable(model, every_n_layers=2)
+    with reporting() as regions:
+        loss(model, inputs)
+    assert [r.graph.name for r in regions] == ["model.layers.0", "model.layers.2"]
+    model.activation_checkpointing_enable(every_n_layers=3)  # as the Trainer passes it
+    with reporting() as regions:
+        loss(model, inputs)
+    assert [r.graph.name for r in regions] == ["model.layers.0", "model.layers.3"]

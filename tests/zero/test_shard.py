@@ -223,3 +223,20 @@ def test_nested_units_each_gather_their_own_parameters(world1):
     assert {"", "embed", "blocks.0", "blocks.0.lin1", "blocks.1.lin2"} <= set(names)
     w.train(m, 0, 1)
     assert w.max_diff(zero.full_state_dict(m), ref) < 1e-5
+
+
+def test_gradients_dropped_or_zeroed_by_the_user_between_backwards_accumulate_as_torch(world1):
+    """Some .grad set to None, some zeroed in place: the next backward adds parameter by
+    parameter (the one-buffer fast path no longer applies) and equals torch's."""
+    ref, m = w.model(), zero.shard(w.model())
+    x, y = w.data(0)
+    for model in (ref, m):
+        F.mse_loss(model(x), y).backward()
+    for model in (ref, m):
+        model.blocks[0].lin1.weight.grad = None
+        model.blocks[2].norm.weight.grad.zero_()
+    for model in (ref, m):
+        F.mse_loss(model(x), y).backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)

@@ -3,7 +3,8 @@
 By default it runs the checkpointing comparison on the embedded MoE model (see
 ``checkpointing``); ``--kernels`` runs the kernel benchmark instead; ``--planners`` the
 planner benchmark (``planners``: ``memory_budget`` against torch.compile's
-``activation_memory_budget`` on a small Llama); and ``--zero``, under
+``activation_memory_budget`` on a small Llama); ``--compile`` checkpointing inside one
+``torch.compile`` graph (``compiled``); ``--zero``, under
 ``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``); ``--profile``
 breaks one step down with torch.profiler (``profile``); ``--llama`` times a Llama-style decoder,
 the issue-18 GPU comparison (``llama_steps``). Progress goes to
@@ -53,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the planner benchmark instead: memory_budget at budgets 0.0 to 1.0 against "
                    "torch.compile's activation_memory_budget on a 2-layer Llama (size flags are ignored; "
                    "--steps, --quick, --json, --quiet, --system-malloc apply)")
+    p.add_argument("--compile", action="store_true",
+                   help="compare checkpointing inside one torch.compile graph instead (inductor, fullgraph=True; "
+                   "the MoE model with fixed-capacity routing; size flags, --steps, --quick, --json apply)")
     p.add_argument("--profile", action="store_true", help="profile one step instead (torch.profiler): the "
                    "recorded forward and the replaying backward of tracedac recompute_all beside the plain "
                    "model's, time inside aten ops and outside them, the costliest ops (see profile.py); with "
@@ -121,6 +125,17 @@ def main(argv=None) -> int:
         figures = planners.run(steps=args.steps, quick=args.quick, progress=None if args.quiet else sys.stderr,
                                system_malloc=args.system_malloc)
         print(planners.format_report(figures))
+    elif args.compile:
+        from . import compiled
+
+        try:
+            cfg = _config(args)
+            cfg.check()
+        except ValueError as e:
+            parser.error(str(e))
+        figures = compiled.run(cfg, steps=args.steps or compiled.STEPS, quick=args.quick,
+                               progress=None if args.quiet else sys.stderr)
+        print(compiled.format_report(figures))
     elif args.zero:
         return _zero(parser, args)
     elif args.profile:

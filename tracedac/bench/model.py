@@ -46,6 +46,11 @@ class Config:
     seq: int = 128
     dropout: float = 0.1
     seed: int = 0
+    # None: each expert takes the tokens routed to it (data-dependent shapes, as in real MoE
+    # layers). A factor: fixed-capacity routing, each expert takes exactly
+    # ceil(capacity * tokens * top_k / experts) slots (tokens over it are dropped, empty slots
+    # carry weight 0): static shapes, which torch.compile needs for one graph (bench --compile).
+    capacity: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -66,6 +71,8 @@ class Config:
                 f"top_k={self.top_k} is more than experts={self.experts}: each token picks "
                 "top_k distinct experts; lower top_k or add experts."
             )
+        if self.capacity is not None and not self.capacity > 0:
+            raise ValueError(f"capacity must be a positive factor (or None), got {self.capacity}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -113,6 +120,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.router = Router(cfg)
+        self.capacity = None if cfg.capacity is None else \
+            min(cfg.tokens, math.ceil(cfg.capacity * cfg.tokens * cfg.top_k / cfg.experts))
         self.w1 = nn.Parameter(torch.randn(cfg.experts, cfg.dim, cfg.expert_hidden) / math.sqrt(cfg.dim))  # [E, D, F]
         self.w2 = nn.Parameter(torch.randn(cfg.experts, cfg.expert_hidden, cfg.dim) / math.sqrt(cfg.expert_hidden))  # [E, F, D]
 
@@ -120,12 +129,25 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         weights, experts = self.router(flat)  # [N, K], [N, K]
         out = torch.zeros_like(flat)  # [N, D]
+        if self.capacity is not None:
+            return self._fixed_capacity(flat, weights, experts, out).view_as(x)
         for e in range(self.w1.shape[0]):
             token, slot = (experts == e).nonzero(as_tuple=True)  # [n_e], [n_e]
             h = F.gelu(flat.index_select(0, token) @ self.w1[e])  # [n_e, F]
             y = (h @ self.w2[e]) * weights[token, slot].unsqueeze(-1)  # [n_e, D]
             out.index_add_(0, token, y.to(out.dtype))  # under autocast y is bf16, out fp32
         return out.view_as(x)  # [B, T, D]
+
+    def _fixed_capacity(self, flat, weights, experts, out):  # [N, D], [N, K], [N, K], [N, D]
+        # Each expert's slots go to its highest-weighted tokens; unrouted tokens weigh 0.
+        dispatch = torch.zeros(flat.shape[0], self.w1.shape[0], dtype=weights.dtype, device=flat.device)
+        dispatch.scatter_(1, experts, weights)  # [N, E]
+        gate, token = dispatch.topk(self.capacity, dim=0)  # [C, E], [C, E]
+        for e in range(self.w1.shape[0]):
+            h = F.gelu(flat.index_select(0, token[:, e]) @ self.w1[e])  # [C, F]
+            y = (h @ self.w2[e]) * gate[:, e].unsqueeze(-1)  # [C, D]
+            out.index_add_(0, token[:, e], y.to(out.dtype))
+        return out
 
 
 class Block(nn.Module):

@@ -1,0 +1,289 @@
+"""Checkpointed regions under torch.compile: one graph, the regions' policies as the partitioner's tags.
+
+Oracles: the same model compiled without checkpointing (gradients, side effects), torch's
+own partitioner output (what the compiled forward saves, read off its backward graph).
+Most tests use ``aot_eager_decomp_partition`` (the partition inductor makes, without its
+slow C++ compile); one test runs inductor itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import tracedac
+from tracedac import CheckpointError, policies
+from tracedac.compile.report import partition
+
+BACKEND = "aot_eager_decomp_partition"
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own models: dynamo's per-code recompile limit must not carry over."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Block(nn.Module):
+    """An MoE-style block: a router that counts tokens into a buffer, a Python counter, dropout."""
+
+    def __init__(self, d=16, h=32, dropout=0.0):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+        self.router = nn.Linear(d, 4, bias=False)
+        self.drop = nn.Dropout(dropout)
+        self.register_buffer("tokens", torch.zeros(4))
+        self.calls = 0
+
+    def forward(self, x):  # [B, d]
+        self.calls += 1
+        choice = self.router(x).argmax(-1)  # [B]
+        self.tokens.add_(torch.bincount(choice, minlength=4).to(self.tokens.dtype))
+        h = tracedac.name(self.drop(torch.relu(self.up(x))), "hidden")  # [B, h]
+        return x + self.down(h).sin()
+
+
+def model(policy=None, n=3, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(*[Block(dropout=dropout) for _ in range(n)])
+    if policy is not None:
+        tracedac.wrap(m, Block, policy=policy)
+    return m
+
+
+def step(m, x, seed=0):
+    torch.manual_seed(seed)
+    m(x).square().sum().backward()
+    return [p.grad for p in m.parameters()]
+
+
+def region_bytes(m, x) -> int:
+    """Bytes the compiled forward saves that it computed (graph inputs are alive anyway)."""
+    return sum(p.saved_bytes for p in partition(m, x))
+
+
+X = torch.randn(8, 16)
+
+@pytest.fixture(scope="module")
+def reference():
+    """Gradients and router counts of the model without checkpointing (eager: the compiled
+    model without checkpointing is compared in the torchtitan and inductor tests)."""
+    ref = model()
+    return step(ref, X), ref[0].tokens.clone()
+
+
+@pytest.mark.parametrize("policy", [policies.recompute_all(), policies.memory_budget(0.5), policies.min_cut()],
+                         ids=repr)
+def test_whole_model_compiles_fullgraph_dynamic_with_side_effects_once_and_equal_gradients(policy, reference):
+    m = model(policy)
+    hooks = []
+    m[0].register_forward_pre_hook(lambda mod, a: hooks.append("pre"))
+    m[0].register_forward_hook(lambda mod, a, o: hooks.append("post"))
+    c = torch.compile(m, backend=BACKEND, fullgraph=True, dynamic=True)
+    ref_grads, ref_tokens = reference
+    for a, b in zip(ref_grads, step(c, X), strict=True):
+        torch.testing.assert_close(a, b)
+    assert [blk.calls for blk in m] == [1, 1, 1]
+    assert hooks == ["pre", "post"]
+    assert torch.equal(m[0].tokens, ref_tokens) and m[0].tokens.sum() == 8
+
+
+def test_each_policy_changes_what_the_compiled_forward_saves():
+    """recompute_all keeps least; save_matmuls keeps the matmuls; memory_budget(0.5) at most
+    half of what the compiled model saves without checkpointing."""
+    x = X.clone().requires_grad_()
+    full = region_bytes(model(), x)
+    kept = {repr(p): region_bytes(model(p), x) for p in (policies.recompute_all(), policies.memory_budget(0.5))}
+    report = tracedac.saved_report(torch.compile(model(policies.save_matmuls()), backend=BACKEND), x)
+    assert kept["recompute_all()"] < report.kept_bytes < full
+    assert kept["memory_budget(0.5)"] <= 0.5 * full
+    ops = [r.op for r in report.rows if r.kind == "activation" and "save_matmuls() -> MUST_SAVE" in r.why]
+    assert ops == ["aten.addmm.default"] * 6  # up and down of each block (the router's argmax needs no grad)
+
+
+def test_regions_with_different_policies_and_budgets_share_one_graph():
+    m = model(n=4)
+    for blk, p in zip(m, [policies.memory_budget(0.2), policies.memory_budget(0.8), policies.save_matmuls(),
+                          policies.recompute_all()]):
+        tracedac.checkpoint(blk, policy=p)
+    (part,) = partition(m, X.clone().requires_grad_())
+    ids = {}
+    for n in part.fw.graph.nodes:
+        custom = n.meta.get("custom") or {}
+        if "tracedac_region" in custom:
+            ids.setdefault(custom["tracedac_region"], set()).add(n.meta["ac_graph_id"])
+    assert len(ids) == 4 and all(len(v) == 1 for v in ids.values())
+    assert sorted(min(v) for v in ids.values()) == [1, 2, 3, 4]
+    saved = {}
+    for n in part.saved:
+        key = (n.meta.get("custom") or {}).get("tracedac_region")
+        if key is not None and n.op != "placeholder":
+            saved[key.split("|")[1]] = saved.get(key.split("|")[1], 0) + n.meta["val"].numel() * 4
+    assert saved.get("memory_budget(0.2)", 0) < saved.get("memory_budget(0.8)", 0)
+
+
+def test_torchtitan_order_checkpoint_each_block_then_compile_each_block():
+    from torch._dynamo.utils import counters
+
+    ref = model()
+    ref_blocks = nn.Sequential(*[torch.compile(b, backend=BACKEND, fullgraph=True) for b in ref])
+    m = model()
+    blocks = nn.Sequential(*[torch.compile(tracedac.checkpoint(b, policy=policies.save_matmuls()), backend=BACKEND,
+                                           fullgraph=True) for b in m])
+    counters.clear()
+    for a, b in zip(step(ref_blocks, X), step(blocks, X), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert sum(counters["graph_break"].values()) == 0
+    assert [blk.calls for blk in m] == [1, 1, 1]
+
+
+def test_decorator_and_checkpoint_call_compile_fullgraph():
+    w = torch.randn(16, 16, requires_grad=True)
+
+    @tracedac.checkpoint(policy=policies.save_matmuls())
+    def f(x):
+        return (x @ w).relu().sin()
+
+    def g(x):
+        return tracedac.checkpoint_call(lambda y: (y @ w).tanh(), x, policy=policies.recompute_all())
+
+    def plain(x):
+        return (x @ w).relu().sin() + (x @ w).tanh()
+
+    x = X.clone().requires_grad_()
+    c = torch.compile(lambda x: f(x) + g(x), backend=BACKEND, fullgraph=True)
+    got = torch.autograd.grad(c(x).sum(), (x, w))
+    want = torch.autograd.grad(plain(x).sum(), (x, w))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_dropout_replays_the_same_numbers_compiled():
+    ref = torch.compile(model(dropout=0.5), backend=BACKEND, fullgraph=True)
+    c = torch.compile(model(policies.recompute_all(), dropout=0.5), backend=BACKEND, fullgraph=True)
+    for a, b in zip(step(ref, X, seed=3), step(c, X, seed=3), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_buffer_backward_needs_changed_after_the_forward_is_an_error():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.full((16,), 2.0))
+
+        def forward(self, x):
+            return (x * self.scale).sin()
+
+    m = tracedac.checkpoint(Scaled())
+    c = torch.compile(m, backend=BACKEND, fullgraph=True)
+    x = X.clone().requires_grad_()
+    out = c(x)
+    m.scale.add_(1.0)
+    with pytest.raises((RuntimeError, CheckpointError), match="modified by an inplace operation|modified in place"):
+        out.sum().backward()
+
+
+def test_compiled_function_inside_an_eager_region_stays_compiled():
+    """Dynamo used to skip, for the rest of the process, the code of a function first called
+    under the recorder's dispatch mode."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    cnt = CompileCounterWithBackend("aot_eager")
+    w = torch.randn(16, 16, requires_grad=True)
+
+    @torch.compile(backend=cnt)
+    def inner(x):
+        return (x @ w).sin()
+
+    def outer(x):
+        return inner(x.cos()).tanh()
+
+    x = X.clone().requires_grad_()
+    got = torch.autograd.grad(tracedac.checkpoint(outer)(x).sum(), (x, w))
+    want = torch.autograd.grad(((x.cos() @ w).sin().tanh()).sum(), (x, w))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert cnt.frame_count == 1
+    inner(x)  # outside the region: the compiled code, not a skip
+    assert cnt.frame_count == 1
+    assert inner._torchdynamo_orig_callable.__code__ not in torch._dynamo.eval_frame.always_run_code \
+        if hasattr(torch._dynamo.eval_frame, "always_run_code") else True
+
+
+def test_fake_tensors_and_make_fx_trace_through_a_region_without_aborting():
+    """Run in a child: the failure this guards against aborts the interpreter (SIGABRT)."""
+    code = textwrap.dedent("""
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.proxy_tensor import make_fx
+        import tracedac
+
+        lin = torch.nn.Linear(4, 4)
+        f = tracedac.checkpoint(lambda x: tracedac.name(lin(x).relu(), "h").sum())
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            y = f(torch.randn(2, 4, requires_grad=True))
+            y.backward()
+        g = tracedac.checkpoint(lambda x, w: tracedac.name((x @ w).relu(), "h").sum())
+        gm = make_fx(g, tracing_mode="fake")(torch.randn(2, 4), torch.randn(4, 4))
+        assert any("mm" in str(n.target) for n in gm.graph.nodes)
+        m = tracedac.checkpoint(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+        ep = torch.export.export(m, (torch.randn(2, 4),))
+        assert any("linear" in str(n.target) for n in ep.graph.nodes)
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tracedac.__file__))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_save_names_and_print_saved_report_what_the_compiled_graph_saves(capsys):
+    x = X.clone().requires_grad_()
+    c = torch.compile(model(policies.save_names("hidden")), backend=BACKEND, fullgraph=True)
+    report = tracedac.print_saved(c, x)
+    labelled = [r for r in report.rows if r.label == "hidden"]
+    assert len(labelled) == 3 and all(r.shape == (8, 32) and "MUST_SAVE" in r.why for r in labelled)
+    assert all(r.module and r.module.endswith("drop") for r in labelled)
+    assert "hidden" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="policy=.*compile"):
+        tracedac.saved_report(c, x, policy=policies.save_all())
+
+
+def test_inductor_compiles_the_regions_fullgraph_dynamic_with_equal_gradients(reference):
+    import torch._inductor.config as inductor_config
+
+    m = model(policies.memory_budget(0.5))
+    c = torch.compile(m, fullgraph=True, dynamic=True)
+    for a, b in zip(reference[0], step(c, X), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert [blk.calls for blk in m] == [1, 1, 1]
+    passes = inductor_config.joint_custom_pre_pass
+    passes = passes if isinstance(passes, (list, tuple)) else [passes]
+    assert any(type(p).__name__ == "TagRegions" and p.uuid() for p in passes)  # in inductor's cache key
+
+
+def test_a_checkpointed_module_still_pickles_and_deep_copies_with_its_forward():
+    """checkpoint(module) sets the instance's forward (the compile path's mark); torch.save of
+    the whole module and deepcopy must keep working and stay bound to the copy."""
+    import copy
+    import io
+
+    m = tracedac.checkpoint(Block())
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    clone = copy.deepcopy(m)
+    for other in (loaded, clone):
+        assert other.forward.module is other
+        torch.testing.assert_close(other(X), m(X))

@@ -1,0 +1,45 @@
+"""Region specs by key: what a compiled graph's ``tracedac_region`` annotation refers to.
+
+A key is ``"<region name>|<policy>"``, the policy as written (``save_matmuls()``) or, for a
+callable, its qualified name and a hash of its code, so equal keys in two processes mean the
+same thing (the key travels in the graph; the pass's ``uuid`` covers every key known, which
+keeps inductor's cache from mixing policies). Two different policies that print the same
+get distinct keys (``#2``, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+__all__ = ["SPECS", "describe", "key_for"]
+
+# key -> (policy, region name)
+SPECS: dict[str, tuple] = {}
+
+
+def describe(policy) -> str:
+    from ..policies import describe_policy
+
+    text = describe_policy(policy)
+    code = getattr(getattr(policy, "__call__", None), "__code__", None) or getattr(policy, "__code__", None)
+    if code is not None and not type(policy).__module__.startswith("tracedac."):
+        text += "@" + hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:12]
+    return text
+
+
+def key_for(policy, name: str) -> str:
+    """The key of ``(policy, name)``, registered on first use. Dynamo calls this at trace time
+    and takes the result as a constant (``_dynamo_marked_constant``): no guard, no graph op."""
+    from .install import install
+
+    install()
+    base = f"{name}|{describe(policy)}"
+    key, n = base, 1
+    while key in SPECS and SPECS[key][0] is not policy and SPECS[key][0] != policy:
+        n += 1
+        key = f"{base}#{n}"
+    SPECS[key] = (policy, name)
+    return key
+
+
+key_for._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, without importing dynamo

@@ -1,0 +1,197 @@
+"""The joint-graph pass: each compiled region's policy or planner, written as the partitioner's tags.
+
+``tag_regions(gm) -> gm`` adds no node. It removes every ``tracedac::label`` node (``tracedac.name``) (its label
+goes to ``meta["tracedac_labels"]`` of the node that produced the named value, and its
+users read that value instead). It then writes, on every forward node annotated
+``tracedac_region`` (``entry.py``):
+
+- ``meta["recompute"]``: the region's decision. A node whose result the region keeps and
+  backward reads (directly, or to replay something else) is ``MUST_SAVE``; a kept result
+  nothing reads is ``PREFER_SAVE`` (the partitioner may drop it); the rest keep the
+  policy's RECOMPUTE decision. Views and ``getitem`` are ``PREFER_RECOMPUTE`` (free to rebuild
+  from their base), or their base's decision for ``getitem``.
+- ``meta["ac_graph_id"]``: one id per region call (a run of consecutive forward nodes
+  with one key), increasing in graph order, as torch's own checkpoint numbers them.
+
+Torch's min-cut partitioner then saves the MUST_SAVE nodes and what regions read from
+outside, and replays the rest in backward (random ops with their generator state: torch
+functionalizes recomputed RNG ops). Running it twice gives the same tags.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..decisions import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, is_save, resolve
+from ..planners import MemoryBudget, closure, min_cut_keep, planner_of, problem
+from .entry import ANNOTATION
+from .fx_graph import build
+from .registry import SPECS
+
+__all__ = ["tag_regions"]
+
+LABELS = "tracedac_labels"
+DECISION = "tracedac_decision"  # ours, kept beside "recompute" (which the partitioner may change)
+
+
+def _fold_names(graph: torch.fx.Graph) -> dict:
+    """Remove ``tracedac.name`` nodes; their labels onto the producer. fx node -> labels."""
+    op = torch.ops.tracedac.label.default
+    for n in list(graph.find_nodes(op="call_function", target=op)):
+        src, label = n.args
+        src.meta[LABELS] = frozenset(src.meta.get(LABELS, frozenset()) | {label})
+        n.replace_all_uses_with(src)
+        graph.erase_node(n)
+    return {n: n.meta[LABELS] for n in graph.nodes if LABELS in n.meta}
+
+
+def _backward_nodes(graph: torch.fx.Graph) -> set:
+    """Nodes of the backward: partitioner-tagged, else everything that reads a tangent."""
+    tagged = {n for n in graph.nodes if n.meta.get("partitioner_tag") == "is_backward"}
+    if tagged:
+        return tagged
+    backward = set()
+    for n in graph.nodes:
+        if (n.op == "placeholder" and "tangent" in n.name) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    return backward
+
+
+def _region_runs(graph: torch.fx.Graph, backward: set) -> list[tuple[str, list]]:
+    """(key, forward nodes) per region call: consecutive annotated forward nodes with one key."""
+    runs: list[tuple[str, list]] = []
+    current = None
+    for n in graph.nodes:
+        if n.op != "call_function" or n in backward:
+            continue
+        custom = n.meta.get("custom")
+        key = custom.get(ANNOTATION) if isinstance(custom, dict) else None
+        if key is None:
+            if n.meta.get("val") is not None and not isinstance(n.meta.get("val"), (torch.SymInt, int)):
+                current = None  # an op outside every region separates two calls of one region
+            continue
+        if current is None or current[0] != key:
+            current = (key, [])
+            runs.append(current)
+        current[1].append(n)
+    return runs
+
+
+def untagged_saved(gm: torch.fx.GraphModule) -> set | None:
+    """Names of the forward nodes torch's partitioner saves from ``gm`` without any region's
+    tags (what the graph keeps compiled without checkpointing), or None if it cannot tell."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    primals = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    outputs = graph.output_node().args[0]
+    if not primals or len(outputs) <= len(primals):
+        return None
+    for n in graph.nodes:
+        n.meta.pop("recompute", None)
+        n.meta.pop("ac_graph_id", None)
+    try:
+        # the joint graph's outputs: the forward's, then one gradient per primal input
+        _, bw = min_cut_rematerialization_partition(torch.fx.GraphModule(gm, graph), None, compiler="inductor",
+                                                    num_fwd_outputs=len(outputs) - len(primals))
+    except Exception:  # noqa: BLE001 (an estimate: the caller falls back to the min cut)
+        return None
+    return {n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")}
+
+
+def _decide(view, policy, wanted: set, baseline: set | None = None, later: set = frozenset()) -> None:
+    """``node.decision`` for every node of the region's graph, as an eager region decides."""
+    graph = view.graph
+    planner = planner_of(policy)
+    for node in graph.nodes:
+        node.decision = resolve(policy, node)
+    if planner is None:
+        return
+    for node in graph.nodes:
+        if node.decision is not MUST_SAVE and node.decision is not MUST_RECOMPUTE:
+            node.decision = None  # the planner's to decide
+    p = problem(graph, wanted)
+    if isinstance(planner, MemoryBudget):
+        # A fraction is of what the region keeps compiled without checkpointing: torch's
+        # partitioner then already replays some cheap ops instead of saving them, so eager's
+        # measure (every value backward reads) would let the budget keep more than that
+        # fraction. ``baseline``: the region's values the untagged partition saves; without
+        # it, the least that can be kept without replaying a matmul (a min cut) stands in.
+        if baseline is not None:
+            p.full = sum(g.nbytes for g in graph.groups if g.creator is not None
+                         and view.group_fx.get(g.id) is not None and view.group_fx[g.id].name in baseline)
+        else:
+            keep, _, _ = min_cut_keep(graph, wanted)
+            p.full = min(p.full, sum(graph.groups[g].nbytes for g in keep))
+        # What a later region reads of this one the partitioner saves at the boundary: out
+        # of the budget too.
+        p.reserved = sum(g.nbytes for g in graph.groups if g.creator is not None and g.id in view.group_fx
+                         and any(u in later for u in view.group_fx[g.id].users))
+    keep = planner.choose(p)
+    for g in graph.groups:
+        node = g.creator
+        if node is not None and node.decision is None:
+            node.decision = PREFER_SAVE if g.id in keep else PREFER_RECOMPUTE
+    for node in graph.nodes:
+        if node.decision is None:  # produced nothing a plan chooses among
+            node.decision = PREFER_RECOMPUTE
+
+
+def _tag(view, wanted: set, ac_graph_id: int, nodes: list) -> None:
+    graph = view.graph
+    saved = {g.id for g in graph.groups if g.creator is not None and is_save(g.creator.decision)}
+    # What backward reads of the saved values: directly, or to replay what is not saved.
+    replayed = closure(graph, wanted, saved)
+    read = {gid for gid, _ in wanted} | {m.group for i in replayed for m in graph.nodes[i].tensor_args}
+    for node in graph.nodes:
+        n = view.fx_of[node.index]
+        d = node.decision
+        if is_save(d):
+            d = MUST_SAVE if any(o is not None and o.group in read for o in node.outputs) else PREFER_SAVE
+        n.meta["recompute"] = n.meta[DECISION] = d
+        n.meta["ac_graph_id"] = ac_graph_id
+    for n in nodes:
+        if "recompute" not in n.meta or n.meta.get("ac_graph_id") != ac_graph_id:
+            base = n.args[0] if n.target is operator.getitem else None
+            n.meta["recompute"] = base.meta.get("recompute", PREFER_RECOMPUTE) if base is not None \
+                else PREFER_RECOMPUTE
+            n.meta["ac_graph_id"] = ac_graph_id
+
+
+def tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Write each region's decisions as ``meta["recompute"]``/``meta["ac_graph_id"]``."""
+    with _disable_current_modes():  # the compiler's fake mode: planners compute with real tensors
+        return _tag_regions(gm)
+
+
+def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = gm.graph
+    labels = _fold_names(graph)
+    backward = _backward_nodes(graph)
+    runs = _region_runs(graph, backward)
+    budgets = any(isinstance(planner_of(SPECS[key][0]), MemoryBudget) for key, _ in runs if key in SPECS)
+    baseline = untagged_saved(gm) if budgets else None
+    for ac_graph_id, (key, nodes) in enumerate(runs, start=1):
+        later = {n for _, run in runs[ac_graph_id:] for n in run}
+        spec = SPECS.get(key)
+        if spec is None:
+            raise AssertionError(f"joint graph names region {key!r}, which no traced region registered")
+        policy, name = spec
+        view = build(name, policy, nodes, labels)
+        wanted = set()
+        for n in nodes:
+            m = view.values.get(n)
+            metas = m if isinstance(m, tuple) else (m,)
+            if any(u in backward for u in n.users):
+                wanted.update((x.group, 0) for x in metas
+                              if x is not None and view.graph.groups[x.group].creator is not None)
+        _decide(view, policy, wanted, baseline, later)
+        _tag(view, wanted, ac_graph_id, nodes)
+    graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,92 @@
+"""Decisions and op lists: the leaf every policy, planner and graph pass imports.
+
+A decision is torch's own ``CheckpointPolicy`` (MUST/PREFER x SAVE/RECOMPUTE), so a node
+tagged by tracedac reads the same as one tagged by ``torch.utils.checkpoint``
+(``node.meta["recompute"]``). A policy sees a node through a small interface that the eager
+recorder's nodes (``tracedac.graph.Node``) and the nodes built from a compiled joint graph
+(``tracedac.compile.fx_graph``) both provide:
+
+- ``op``: the aten (or custom) ``OpOverload``; ``name``: ``str(op)``; ``index``: its position
+- ``outputs``: one ``TensorMeta`` (``shape``, ``dtype``, ``nbytes``) or None per result
+- ``nbytes``: bytes of the results it allocated; ``flops``: by torch's formulas
+- ``labels``: the ``tracedac.name`` labels of its result; ``module_path``: where it ran
+- ``is_random``: it draws from a generator; ``meta``: ``meta["recompute"]`` is its decision
+
+``resolve(policy, node)`` is the decision a region carries out: the policy's answer,
+checked, with the ops of ``RECOMPUTE_OPS`` forced to replay unless the policy must save them.
+Nothing here imports the rest of tracedac.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .errors import CheckpointError
+
+__all__ = [
+    "MATMUL_OPS", "MUST_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE", "PREFER_SAVE", "RECOMPUTE_OPS",
+    "decision", "is_save", "recompute_by_default", "resolve",
+]
+
+MUST_SAVE = CheckpointPolicy.MUST_SAVE
+PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
+MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
+PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+aten = torch.ops.aten
+
+# The ops `save_matmuls()` keeps and `min_cut()` does not replay, each with why it is worth its bytes.
+MATMUL_OPS: dict[OpOverloadPacket, str] = {
+    aten.mm: "a matmul replays O(n^3) FLOPs to rebuild O(n^2) bytes",
+    aten.addmm: "nn.Linear with a bias lowers to addmm: a matmul",
+    aten.bmm: "batched matmul (attention scores, MoE experts): a matmul per batch entry",
+    aten.baddbmm: "batched matmul with an added input: as bmm",
+    aten._scaled_dot_product_flash_attention: "attention (CUDA flash): quadratic in sequence length to replay",
+    aten._scaled_dot_product_efficient_attention: "attention (memory-efficient kernel): as flash",
+    aten._scaled_dot_product_cudnn_attention: "attention (cuDNN kernel): as flash",
+    aten._scaled_dot_product_flash_attention_for_cpu: "attention (CPU flash kernel): as flash",
+}
+
+# Ops a region replays unless a policy returns MUST_SAVE for them: their node's decision
+# becomes MUST_RECOMPUTE whatever a PREFER policy (save_all(), a planner) said. id(op) ->
+# (op, why). tracedac.zero registers its all-gather here when imported: keeping a gathered
+# parameter would pin the full unit, which is what ZeRO-3 exists to avoid.
+RECOMPUTE_OPS: dict[int, tuple] = {}
+
+
+def recompute_by_default(op: OpOverload, reason: str) -> None:
+    """Make ``op``'s nodes MUST_RECOMPUTE unless a policy says MUST_SAVE (see ``RECOMPUTE_OPS``)."""
+    if not isinstance(op, OpOverload):
+        raise TypeError(f"recompute_by_default() takes an OpOverload (torch.ops.ns.op.default), got {op!r}")
+    RECOMPUTE_OPS[id(op)] = (op, reason)
+
+
+def decision(policy, node) -> CheckpointPolicy:
+    """``policy(node)``, checked: a CheckpointPolicy tracedac can carry out."""
+    d = policy(node)
+    if not isinstance(d, CheckpointPolicy):
+        raise CheckpointError(
+            f"policy {policy!r} returned {d!r} for {node.name}; a policy must return a "
+            "torch.utils.checkpoint.CheckpointPolicy such as CheckpointPolicy.MUST_SAVE."
+        )
+    if d in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD):
+        raise CheckpointError(
+            f"policy {policy!r} asked to offload {node.name} to CPU; tracedac keeps or replays "
+            "and does not offload. Return a SAVE or RECOMPUTE decision instead."
+        )
+    return d
+
+
+def resolve(policy, node, constant=None) -> CheckpointPolicy:
+    """The decision a region carries out for ``node``: ``constant`` (a policy that never looks
+    at nodes) or the policy's checked answer, then ``RECOMPUTE_OPS`` unless MUST_SAVE."""
+    d = constant or decision(policy, node)
+    if d is not MUST_SAVE and id(node.op) in RECOMPUTE_OPS:
+        d = MUST_RECOMPUTE  # a ZeRO-3 gather: only MUST_SAVE keeps it
+    return d
+
+
+def is_save(d: CheckpointPolicy) -> bool:
+    return d is MUST_SAVE or d is PREFER_SAVE
