@@ -1,6 +1,8 @@
 """Compiled replay (tracedac/replay_compiled.py): a repeated replay runs as one inductor function
 and gives op-by-op replay's values; what it cannot guarantee replays op by op."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -74,6 +76,21 @@ def test_bf16_replays_compiled_within_bf16_rounding(compiling):
     assert compiled.stats()["runs"] == 3
 
 
+def _equal(a, b):
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def _against_uncheckpointed(f, x, params, check, steps=3):
+    """``check`` the gradients of ``steps`` checkpointed calls of ``f`` against ``f``'s own
+    (computed with compiled replay off: ``f`` may hold a region of its own)."""
+    tracedac.compiled_replay(False)
+    expected = torch.autograd.grad(f(x), params)
+    tracedac.compiled_replay(True)
+    for _ in range(steps):
+        for a, b in zip(torch.autograd.grad(tracedac.checkpoint(f)(x), params), expected, strict=True):
+            check(a, b)
+
+
 def test_matmuls_and_relu_replay_bitwise(compiling):
     torch.manual_seed(0)
     w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
@@ -82,13 +99,7 @@ def test_matmuls_and_relu_replay_bitwise(compiling):
     def f(x):
         return (torch.relu(x @ w1) @ w2).relu().sum()
 
-    tracedac.compiled_replay(False)
-    expected = torch.autograd.grad(f(x), [w1, w2])  # (the inner region alone, replayed op by op)
-    tracedac.compiled_replay(True)
-    for _ in range(3):
-        got = torch.autograd.grad(tracedac.checkpoint(f)(x), [w1, w2])
-        for a, b in zip(got, expected, strict=True):
-            assert torch.equal(a, b), (a - b).abs().max()
+    _against_uncheckpointed(f, x, [w1, w2], _equal)
     assert compiled.stats()["runs"] == 2
 
 
@@ -99,7 +110,7 @@ def _same_as_plain(f, x, *params, steps=2, seed=0):
         torch.manual_seed(seed)
         got = torch.autograd.grad(tracedac.checkpoint(f)(x), params)
         for a, b in zip(got, expected, strict=True):
-            assert torch.equal(a, b), (a - b).abs().max()
+            _equal(a, b)
 
 
 def test_random_ops_and_writes_replay_op_by_op(compiling):
@@ -157,13 +168,7 @@ def test_nested_regions_read_the_enclosing_regions_handles(compiling):
         h = (x @ w1).sigmoid()  # the inner region reads it: replayed by the outer region's pass
         return inner(h).sum()
 
-    tracedac.compiled_replay(False)
-    expected = torch.autograd.grad(f(x), [w1, w2])  # (the inner region alone, replayed op by op)
-    tracedac.compiled_replay(True)
-    for _ in range(3):
-        got = torch.autograd.grad(tracedac.checkpoint(f)(x), [w1, w2])
-        for a, b in zip(got, expected, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _against_uncheckpointed(f, x, [w1, w2], functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6))
     # both regions' passes compile on their second backward; the inner one's input is the
     # outer region's handle on h
     assert compiled.stats() == {"eager": 2, "compiled": 2, "runs": 4}
