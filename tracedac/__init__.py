@@ -4,6 +4,7 @@ See README.md for a tour. Everything public is re-exported here; nothing runs at
 """
 
 from . import policies
+from .replay_compiled import compiled_replay
 from .checkpoint import checkpoint, checkpoint_call, name, unwrap, wrap
 from .errors import CheckpointError
 from .inspect import print_saved, saved_report
@@ -13,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "checkpoint",
     "checkpoint_call",
+    "compiled_replay",
     "name",
     "policies",
     "print_saved",

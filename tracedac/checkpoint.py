@@ -427,6 +427,8 @@ def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names
     Without a ``name``, the region is named for the module ``fn`` runs on (its qualified
     name if registered, else its class) or for the function.
     """
+    if tracing(args, kwargs):  # under dynamo, make_fx, export or fake tensors: marked, not recorded
+        return traced_region(fn, args, kwargs, policy, name or getattr(fn, "__qualname__", type(fn).__name__))
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     code, on, call_args, call_kwargs = computation(fn, args, kwargs)
@@ -462,7 +464,7 @@ class _ModuleHooks:
 
     def pre(self, module, args):
         if not torch.is_grad_enabled() or tracing(args):
-            return None  # traced: the module's forward marks its ops (_TracedForward)
+            return None  # traced: the module's forward marks its ops (_traced_forward)
         if self.names is None:
             prefix = f"{self.name}." if self.qualified else ""
             self.names = {id(m): (prefix + n) if n else self.name for n, m in module.named_modules()}
@@ -501,29 +503,26 @@ def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn
     module._tracedac = hooks
     inner = module.__dict__.get("forward")
     if inner is None or getattr(inner, "tracedac_composes", False):  # (other instance forwards: eager only)
-        module.forward = _TracedForward(module, inner)
+        module.forward = functools.partial(_traced_forward, module, inner)
+        module.forward.tracedac_composes = True  # tracedac.zero's forward may wrap it
     return module
 
 
-class _TracedForward:
-    """A checkpointed module's forward, set on the instance. Eager, the hooks record the call;
-    traced, its ops are marked (a context manager cannot span two hooks under dynamo, so the
-    mark is made here). An object rather than a bound method, so the module still pickles."""
+def _traced_forward(module: nn.Module, inner, *args, **kwargs):
+    """A checkpointed module's forward, set on the instance as ``partial(_traced_forward,
+    module, inner)``. Eager, the hooks record the call; traced, its ops are marked (a context
+    manager cannot span two hooks under dynamo, so the mark is made here). A partial rather
+    than a bound method: the module still pickles, and torch.export reads its code. ``inner``:
+    an instance forward set before that composes (``tracedac.zero``'s), called in its place."""
+    hooks = getattr(module, "_tracedac", None)
+    forward = inner if inner is not None else type(module).forward.__get__(module)
+    if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
+        return traced_region(forward, args, kwargs, hooks.policy, hooks.name)
+    return forward(*args, **kwargs)
 
-    __slots__ = ("module", "inner")
-    tracedac_composes = True  # tracedac.zero's forward may wrap it
 
-    def __init__(self, module: nn.Module, inner=None):
-        self.module = module
-        self.inner = inner  # an instance forward set before that composes (tracedac.zero's), or None
-
-    def __call__(self, *args, **kwargs):
-        module = self.module
-        hooks = getattr(module, "_tracedac", None)
-        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
-        if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
-            return traced_region(forward, args, kwargs, hooks.policy, hooks.name)
-        return forward(*args, **kwargs)
+def _is_traced_forward(f) -> bool:
+    return isinstance(f, functools.partial) and f.func is _traced_forward
 
 
 # --- public entry points -----------------------------------------------------------------
@@ -661,9 +660,9 @@ def unwrap(obj):
                     h.remove()
                 del m.__dict__["_tracedac"]
                 forward = m.__dict__.get("forward")
-                if isinstance(forward, _TracedForward):
-                    if forward.inner is not None:
-                        m.__dict__["forward"] = forward.inner
+                if _is_traced_forward(forward):
+                    if forward.args[1] is not None:
+                        m.__dict__["forward"] = forward.args[1]  # the forward it wrapped
                     else:
                         del m.__dict__["forward"]
             elif spec is not None:

@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from . import replay_compiled as compiled
 from .errors import CheckpointError
 from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes
 
@@ -350,8 +351,44 @@ def _arg(env: _Env, a):
     return a
 
 
+def _on(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
+    """A tensor laid out as ``m`` on ``t``'s storage (``t`` itself when it already is)."""
+    if t.size() == m.size and t.stride() == m.stride and t.storage_offset() == m.offset and t.dtype == m.dtype:
+        return t
+    return torch.empty(0, dtype=m.dtype, device=t.device).set_(t.untyped_storage(), m.offset, m.size, m.stride)
+
+
+def _run_compiled(graph: RegionGraph, p: Plan, slots: list) -> bool:
+    """Fill ``slots`` from plan ``p`` run as one compiled function (``replay_compiled.py``); False
+    where that path does not take the plan (then it replays op by op)."""
+    groups, starts = graph.groups, p.starts
+    sources: dict[int, torch.Tensor] = {}
+
+    def source(m: TensorMeta) -> torch.Tensor:
+        t = sources.get(m.group)
+        if t is None:
+            t = sources[m.group] = _source(groups[m.group], starts[m.group][0])
+        return _on(t, m)
+
+    with torch.no_grad():
+        made = compiled.run(graph, p, source, {s.meta.group for s in slots})
+        if made is None:
+            return False
+        for s in slots:
+            o = made.get(s.meta.group)
+            s.value = _on(o, s.meta) if o is not None else source(s.meta)
+    return True
+
+
 def run_pass(graph: RegionGraph, caller: Slot) -> None:
     """Rebuild ``caller``'s value and that of every handle of ``graph`` backward still waits for."""
+    if torch.autograd._profiler_enabled():  # one event per pass, for `python -m tracedac.bench --profile`
+        with torch.autograd.profiler.record_function("tracedac::replay"):
+            return _run_pass(graph, caller)
+    return _run_pass(graph, caller)
+
+
+def _run_pass(graph: RegionGraph, caller: Slot) -> None:
     slots = [s for s in graph.slots() if s.wanted and s is not caller]
     slots.append(caller)
     wanted = frozenset([(s.meta.group, s.meta.state) for s in slots])
@@ -366,6 +403,8 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
             raise _changed_error(graph, changed[0]) from None
     graph.passes += 1
     graph.replayed_ops += len(p.nodes)
+    if compiled._enabled and not _fill_nan and _run_compiled(graph, p, slots):
+        return
     reads, last_use = p.reads, p.last_use()
     nodes, groups, starts = graph.nodes, graph.groups, p.starts
 

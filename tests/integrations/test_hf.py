@@ -231,10 +231,11 @@ def test_a_lora_model_trains_its_adapters_as_without_checkpointing_holding_no_mo
     model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                       target_modules=["q_proj", "v_proj", "up_proj"]))
     inputs = batch(4, 64)
-    # The allocator also counts what tracedac's recorded graph holds in glibc (Python lists over
-    # 512 bytes: 0.3 to 3 KiB here) and the noise of glibc's thread cache: SLACK. A hidden
-    # state kept besides (4 x 64 x 32 floats, 32 KiB) would exceed it many times over.
-    SLACK = 4 << 10
+    # The allocator also counts what tracedac's recorded graphs hold in glibc until backward
+    # (Python lists and dicts over 512 bytes: 0.3 to 4.5 KiB over torch's here, depending on
+    # what ran before) and the noise of glibc's thread cache: SLACK. A hidden state kept
+    # besides (4 x 64 x 32 floats, 32 KiB) would exceed it four times over.
+    SLACK = 8 << 10
     assert 0 < sum(p.requires_grad for p in model.parameters()) < len(list(model.parameters()))
     model.enable_input_require_grads()  # as transformers' switch does for PEFT models: the same graph
     plain, plain_held = grads(model, inputs), held_after_forward(model, inputs)
@@ -246,10 +247,12 @@ def test_a_lora_model_trains_its_adapters_as_without_checkpointing_holding_no_mo
         loss(model, inputs)
     assert [r.graph.name for r in regions] == ["base_model.model.model.layers.0", "base_model.model.model.layers.1"]
     assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), plain, strict=True))
-    assert held_after_forward(model, inputs) <= torch_held + SLACK
+    held = held_after_forward(model, inputs)
+    assert held <= torch_held + SLACK, (held, torch_held)
     hf.enable(model, policy=policies.save_all())
     assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), plain, strict=True))
-    assert held_after_forward(model, inputs) <= plain_held + SLACK
+    held = held_after_forward(model, inputs)
+    assert held <= plain_held + SLACK, (held, plain_held)
 
 
 def test_every_n_layers_is_transformers_choice_of_layers():

@@ -4,8 +4,10 @@ By default it runs the checkpointing comparison on the embedded MoE model (see
 ``checkpointing``); ``--kernels`` runs the kernel benchmark instead; ``--planners`` the
 planner benchmark (``planners``: ``memory_budget`` against torch.compile's
 ``activation_memory_budget`` on a small Llama); ``--compile`` checkpointing inside one
-``torch.compile`` graph (``compiled``); and ``--zero``, under
-``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``). Progress goes to
+``torch.compile`` graph (``compiled``); ``--zero``, under
+``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``); ``--profile``
+breaks one step down with torch.profiler (``profile``); ``--llama`` times a Llama-style decoder,
+the issue-18 GPU comparison (``llama_steps``). Progress goes to
 stderr, the table to stdout, and ``--json PATH`` writes every figure. Targets that are
 missed are marked FAIL in the output; the exit status stays 0, since a slow machine is not
 an error.
@@ -40,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="width of each expert's feed-forward (%(default)s)")
     size.add_argument("--vocab", type=int, default=default.vocab, help="vocabulary size (%(default)s)")
     size.add_argument("--batch", type=int, default=default.batch, help="sequences per step (%(default)s)")
+    size.add_argument("--dropout", type=float, default=default.dropout, help="dropout probability (%(default)s)")
     size.add_argument("--seq", type=int, default=default.seq, help="tokens per sequence (%(default)s)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant, after one untimed "
                    "(8; 3 with --planners; 4 with --zero, whose bf16 steps take seconds on CPUs without AVX512-BF16)")
@@ -54,6 +57,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="compare checkpointing inside one torch.compile graph instead (inductor, fullgraph=True; "
                    "the MoE model with fixed-capacity routing; size flags, --steps, --quick, --json apply)")
+    p.add_argument("--profile", action="store_true", help="profile one step instead (torch.profiler): the "
+                   "recorded forward and the replaying backward of tracedac recompute_all beside the plain "
+                   "model's, time inside aten ops and outside them, the costliest ops (see profile.py); with "
+                   "--llama, of the Llama-style decoder")
+    p.add_argument("--llama", action="store_true", help="time a Llama-style decoder instead (llama_steps.py): "
+                   "torch's checkpoint (eager, selective, under torch.compile) against tracedac's policies and "
+                   "compiled replay; on cuda at the issue's size in bf16 (size flags are ignored; --steps, --quick, "
+                   "--json, --only apply)")
+    p.add_argument("--only", metavar="KEYS", help="with --llama: a comma-separated subset of its variants "
+                   "(none, torch, torch_sac, tracedac_recompute_all, tracedac_save_matmuls, "
+                   "tracedac_compiled_replay, torch_compile)")
+    p.add_argument("--compiled-replay", action="store_true", help="replay through compiled functions "
+                   "(tracedac.compiled_replay(True)) in every tracedac variant")
     p.add_argument("--zero", action="store_true", help="compare ZeRO-3 implementations instead; run it as "
                    "`torchrun --nproc-per-node 2 -m tracedac.bench --zero`")
     p.add_argument("--init-method", default="env://", help="with --zero: the process group's rendezvous "
@@ -82,6 +98,10 @@ def _write_json(path: str, figures: dict) -> None:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.compiled_replay:
+        import tracedac
+
+        tracedac.compiled_replay(True)
     if args.kernels:
         try:
             from . import kernels  # imported here: it may need packages the comparison does not
@@ -118,6 +138,34 @@ def main(argv=None) -> int:
         print(compiled.format_report(figures))
     elif args.zero:
         return _zero(parser, args)
+    elif args.profile:
+        from . import checkpointing, llama_steps, profile
+
+        if args.llama:
+            cfg = llama_steps.QUICK if args.quick else (llama_steps.CUDA if args.device.startswith("cuda") else llama_steps.CPU)
+        else:
+            cfg = checkpointing.QUICK if args.quick else _config(args)
+        try:
+            checkpointing.check_settings(checkpointing.QUICK, 1, args.device)
+        except ValueError as e:
+            parser.error(str(e))
+        figures = profile.run(cfg, args.device, compiled_replay=args.compiled_replay)
+        print(profile.format_report(figures))
+    elif args.llama:
+        from . import checkpointing, llama_steps
+
+        try:
+            checkpointing.check_settings(checkpointing.QUICK, 1, args.device)
+        except ValueError as e:
+            parser.error(str(e))
+        only = tuple(args.only.split(",")) if args.only else None
+        unknown = set(only or ()) - {v.key for v in llama_steps.VARIANTS}
+        if unknown:
+            parser.error(f"--only names unknown variants {sorted(unknown)}")
+        figures = llama_steps.run(llama_steps.QUICK if args.quick else None, device=args.device,
+                                  steps=args.steps or (2 if args.quick else 5), variants=only,
+                                  progress=None if args.quiet else sys.stderr)
+        print(llama_steps.format_report(figures))
     else:
         from . import checkpointing, probe
 

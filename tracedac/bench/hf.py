@@ -110,6 +110,7 @@ def main(argv=None) -> int:
         times = time_in_turns(list(models), args.steps, step, say, kind)
         med = {name: statistics.median(t) for name, t in times.items()}
         rows.append([kind, *(f"{med[n] * 1e3:.1f}" for n in models), f"{med['tracedac'] / med['torch']:.2f}x"])
+        say(f"{kind}: medians (ms) " + ", ".join(f"{n} {med[n] * 1e3:.1f}" for n in models))
     print(f"step time, median of {args.steps} (ms): hidden {args.hidden}, {args.layers} layers, "
           f"{args.batch} x {args.seq} tokens, CPU threads {torch.get_num_threads()}")
     print("\n".join(table(["model", "none", "torch checkpoint", "tracedac", "tracedac / torch"], rows)))

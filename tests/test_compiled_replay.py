@@ -1,0 +1,174 @@
+"""Compiled replay (tracedac/replay_compiled.py): a repeated replay runs as one inductor function
+and gives op-by-op replay's values; what it cannot guarantee replays op by op."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tracedac
+from tracedac import policies
+from tracedac import replay_compiled as compiled
+
+from .util import OpCounter
+
+
+@pytest.fixture
+def compiling():
+    compiled.clear()
+    before = tracedac.compiled_replay(True)
+    try:
+        yield
+    finally:
+        tracedac.compiled_replay(before)
+        compiled.clear()
+
+
+class Block(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))) * 0.5)
+
+
+def _grads(model, x):
+    model.zero_grad()
+    model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_repeated_replay_compiles_once_and_matches_op_by_op_replay(compiling):
+    torch.manual_seed(0)
+    plain = nn.Sequential(Block(), Block())
+    model = tracedac.wrap(nn.Sequential(Block(), Block()), Block, policies.recompute_all())
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 16)
+    expected = _grads(plain, x)
+    # step 1: both layers replay the same structure (seen twice: the second layer compiles
+    # it); step 2 runs the cached program for both
+    for step in range(2):
+        got = _grads(model, x)
+        for a, b in zip(got, expected, strict=True):
+            # fused gelu/layer norm may differ from ATen's kernels in the last bits
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    s = compiled.stats()
+    assert s["compiled"] == 1 and s["runs"] == 3 and s["eager"] == 1, s
+
+
+def test_bf16_replays_compiled_within_bf16_rounding(compiling):
+    torch.manual_seed(0)
+    model = tracedac.wrap(nn.Sequential(Block(), Block()).to(torch.bfloat16), Block, policies.recompute_all())
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    tracedac.compiled_replay(False)
+    expected = _grads(model, x)  # op-by-op replay
+    tracedac.compiled_replay(True)
+    for _ in range(2):
+        for a, b in zip(_grads(model, x), expected, strict=True):
+            # emulate_precision_casts rounds after each fused op as eager does: on the CPU
+            # this was measured bitwise; bf16's own rounding is what is promised
+            torch.testing.assert_close(a, b)
+    assert compiled.stats()["runs"] == 3
+
+
+def _equal(a, b):
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def _against_uncheckpointed(f, x, params, check, steps=3):
+    """``check`` the gradients of ``steps`` checkpointed calls of ``f`` against ``f``'s own
+    (computed with compiled replay off: ``f`` may hold a region of its own)."""
+    tracedac.compiled_replay(False)
+    expected = torch.autograd.grad(f(x), params)
+    tracedac.compiled_replay(True)
+    for _ in range(steps):
+        for a, b in zip(torch.autograd.grad(tracedac.checkpoint(f)(x), params), expected, strict=True):
+            check(a, b)
+
+
+def test_matmuls_and_relu_replay_bitwise(compiling):
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def f(x):
+        return (torch.relu(x @ w1) @ w2).relu().sum()
+
+    _against_uncheckpointed(f, x, [w1, w2], _equal)
+    assert compiled.stats()["runs"] == 2
+
+
+def _same_as_plain(f, x, *params, steps=2, seed=0):
+    for _ in range(steps):
+        torch.manual_seed(seed)
+        expected = torch.autograd.grad(f(x), params)
+        torch.manual_seed(seed)
+        got = torch.autograd.grad(tracedac.checkpoint(f)(x), params)
+        for a, b in zip(got, expected, strict=True):
+            _equal(a, b)
+
+
+def test_random_ops_and_writes_replay_op_by_op(compiling):
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def dropout(x):
+        h = x @ w
+        return (h * torch.bernoulli(h.detach().sigmoid())).exp().sum()
+
+    def written(x):
+        h = x @ w
+        h.mul_(2.0)  # a write in the replay: versions and borrowed storages stay op by op's
+        return h.exp().sum()
+
+    _same_as_plain(dropout, x, w)
+    _same_as_plain(written, x, w)
+    s = compiled.stats()
+    assert s.get("refused:random") == 2 and s.get("refused:writes") == 2, s
+    assert "runs" not in s and "compiled" not in s
+
+
+def test_under_a_dispatch_mode_replay_runs_op_by_op(compiling):
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def f(x):
+        return (x @ w).tanh().sum()
+
+    for _ in range(2):
+        torch.autograd.grad(tracedac.checkpoint(f)(x), [w])  # the structure repeats
+    with OpCounter() as ops:
+        torch.autograd.grad(tracedac.checkpoint(f)(x), [w])
+    assert ops.counts[torch.ops.aten.tanh] == 2  # the forward's, and op-by-op replay's
+    assert compiled.stats()["runs"] == 1
+
+
+def test_the_switch():
+    assert tracedac.compiled_replay() is compiled.is_enabled()
+    before = tracedac.compiled_replay(True)
+    try:
+        assert compiled.is_enabled() and tracedac.compiled_replay(False) is True
+        assert not compiled.is_enabled()
+    finally:
+        tracedac.compiled_replay(before)
+
+
+def test_nested_regions_read_the_enclosing_regions_handles(compiling):
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+    inner = tracedac.checkpoint(lambda h: (h @ w2).tanh())
+
+    def f(x):
+        h = (x @ w1).sigmoid()  # the inner region reads it: replayed by the outer region's pass
+        return inner(h).sum()
+
+    _against_uncheckpointed(f, x, [w1, w2], functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6))
+    # both regions' passes compile on their second backward; the inner one's input is the
+    # outer region's handle on h
+    assert compiled.stats() == {"eager": 2, "compiled": 2, "runs": 4}

@@ -1,0 +1,294 @@
+"""Compiled replay: a planned replay pass run as one inductor-compiled function.
+
+Op-by-op replay (``replay.run_pass``) dispatches every planned node from Python. When the
+same replay *structure* comes back (the same ops on the same layouts, reading the same
+kinds of sources: every step of a training loop, every layer of one class), this module
+turns the plan into an FX graph of aten ops, compiles it once with inductor
+(``torch._inductor.compile``: elementwise chains fuse, matmuls stay ATen's) and runs that
+instead. Programs are cached by structure, so one compiled function serves every layer and
+every step that replays the same thing.
+
+A pass is compiled only where the result is the op-by-op result computed by other
+kernels, never a different *kind* of result; everything else replays op by op:
+
+- no planned node writes a storage (writes, versions and borrowed storages stay the
+  op-by-op path's), draws random numbers (inductor's generator is not eager's; attention
+  called with ``dropout_p=0`` draws none), takes a ``Layout`` argument,
+  returns nested lists or comes from outside ``aten``/``prims`` (collectives, custom ops);
+- no dispatch mode is active and nothing is being compiled around us;
+- the compiled outputs come back with exactly the recorded geometry, each on a storage of
+  its own of the recorded size (otherwise the structure is refused for good and this pass
+  runs op by op: compiled functions have no side effects, so nothing is left half done).
+
+Values: matmuls and anything inductor leaves to ATen are bitwise equal; fused elementwise
+math and reductions (``gelu``'s erf, ``exp``, a layer norm's mean) may differ in the last
+bits, as inductor's generated code evaluates them in another order or with other
+vector routines (see docs/design.md, "Compiled replay"). CUDA graph capture is not used:
+a captured graph's outputs live in its pool and the next replay overwrites them, while the
+handles replay fills outlive the call.
+
+Off by default (on CPU it loses: docs/benchmarks.md). Turn it on with
+``tracedac.compiled_replay(True)`` or ``TRACEDAC_COMPILED_REPLAY=1``.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import threading
+import warnings
+from collections import Counter
+
+import torch
+
+from .graph import Layout, TensorMeta
+
+__all__ = ["compiled_replay", "is_enabled", "stats"]
+
+_enabled = os.environ.get("TRACEDAC_COMPILED_REPLAY", "") not in ("", "0")
+# A structure is compiled the second time it is replayed: one-off replays (a warm-up, a
+# differently shaped last batch) never pay for a compile.
+_REPEATS_BEFORE_COMPILE = 2
+_MAX_PROGRAMS = 256  # beyond this many structures, new ones replay op by op
+_NAMESPACES = frozenset(["aten", "prims"])
+# Replay reproduces what the forward computed: in bf16/fp16 keep eager's rounding after each
+# op instead of carrying fp32 through a fused chain (which would be closer to exact, and
+# further from the values the forward saw and the gradients eager computes).
+_OPTIONS = {"emulate_precision_casts": True}
+
+_lock = threading.Lock()
+_seen: Counter = Counter()  # structure -> passes seen before it was compiled
+_programs: dict = {}  # structure -> _Program, or a str: why it replays op by op
+_stats: Counter = Counter()
+
+
+def compiled_replay(enabled: bool | None = None) -> bool:
+    """Turn compiled replay on or off for the process (``None``: leave it); returns the
+    previous setting. Replays already compiled stay cached."""
+    global _enabled
+    before = _enabled
+    if enabled is not None:
+        _enabled = bool(enabled)
+    return before
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def stats() -> dict:
+    """Counts since start: ``compiled`` programs built, ``runs`` of them, ``eager`` passes
+    replayed op by op while enabled, and ``refused:<reason>`` per refused structure."""
+    return dict(_stats)
+
+
+def clear() -> None:
+    """Forget every compiled program and count (tests, or to free their memory)."""
+    with _lock:
+        _seen.clear()
+        _programs.clear()
+        _stats.clear()
+
+
+class _Refused(Exception):
+    """This structure cannot be compiled: the message says why."""
+
+
+class _Program:
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def _draws_nothing(node) -> bool:
+    """A random op called with ``dropout_p=0`` (attention without dropout: SDPA's kernels are
+    tagged random for their dropout) draws no random numbers: it is an ordinary op."""
+    for i, a in enumerate(node.op._schema.arguments):
+        if a.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+            return p == 0
+    return False
+
+
+def _structure(graph, p):
+    """The plan's structure (hashable), the metas of its inputs in order, and the created
+    groups whose values are returned; raises _Refused for what is not compiled."""
+    nodes, groups, starts = graph.nodes, graph.groups, p.starts
+    inputs: dict[tuple, int] = {}  # (group, dtype, size, stride, offset) -> input position
+    input_metas: list[TensorMeta] = []
+    created: dict[int, tuple] = {}  # group -> (node position, output index)
+
+    def ref(m: TensorMeta):
+        gid = m.group
+        where = created.get(gid)
+        if where is not None:
+            return ("n", *where, m.dtype, m.size, m.stride, m.offset)
+        if starts[gid][0] == "create":
+            raise AssertionError(f"replay reads group {gid} before its creator")
+        key = (gid, m.dtype, m.size, m.stride, m.offset)
+        i = inputs.get(key)
+        if i is None:
+            i = inputs[key] = len(input_metas)
+            input_metas.append(m)
+        return ("i", i, m.dtype, m.size, m.stride, m.offset, groups[gid].device)
+
+    def arg(a):
+        if a.__class__ is TensorMeta:
+            return ref(a)
+        if a.__class__ is Layout:
+            raise _Refused("layout argument")
+        if isinstance(a, (list, tuple)):  # (a torch.Size is a tuple)
+            return ("list" if isinstance(a, list) else "tuple", *(arg(x) for x in a))
+        hash(a)  # TypeError for what a structure cannot hold
+        return a
+
+    parts = []
+    try:
+        for pos, i in enumerate(p.nodes):
+            node = nodes[i]
+            op = node.op
+            if node.writes:
+                raise _Refused("writes")
+            if node.rng is not None and not _draws_nothing(node):
+                raise _Refused("random")
+            if getattr(op, "namespace", None) not in _NAMESPACES:
+                raise _Refused(f"op {op}")
+            if len(op._schema.returns) != len(node.outputs):
+                raise _Refused("nested outputs")
+            kwargs = tuple((k, arg(v)) for k, v in node.kwargs.items()) if node.kwargs else ()
+            parts.append((op, tuple(arg(a) for a in node.args), kwargs))
+            for k in node.creates:
+                m = node.outputs[k]
+                if m is not None and starts.get(m.group, ("",))[0] == "create":
+                    created[m.group] = (pos, k)
+    except TypeError:
+        raise _Refused("unhashable argument") from None
+    return tuple(parts), input_metas, created
+
+
+def _end(size, stride, offset: int) -> int:
+    """One past the last storage element a tensor laid out so reaches (0 if it is empty)."""
+    if 0 in size:
+        return 0
+    return offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
+
+
+def _build(graph, p, key, n_inputs: int, outputs):
+    """An FX graph of the plan's ops returning the node outputs ``outputs`` ((position, index))."""
+    import torch.fx as fx
+
+    nodes = graph.nodes
+    g = fx.Graph()
+    placeholders = [g.placeholder(f"in{i}") for i in range(n_inputs)]
+    results: list = []  # per planned node: its fx node
+
+    def value(r):
+        if r[0] == "i":
+            return placeholders[r[1]]
+        if r[0] == "n":
+            _, pos, k, dtype, size, stride, offset = r
+            node = nodes[p.nodes[pos]]
+            out = results[pos] if len(node.outputs) == 1 else g.call_function(operator.getitem, (results[pos], k))
+            base = node.outputs[k]
+            if (dtype, size, stride, offset) == (base.dtype, base.size, base.stride, base.offset):
+                return out
+            if dtype != base.dtype:
+                raise _Refused("dtype view")
+            # as_strided's offset counts from the start of the storage, and inductor's buffer
+            # for ``out`` starts where ``out`` does and ends at its last element (laid out
+            # with eager's strides, since an as_strided reads it)
+            if base.offset != 0 or _end(size, stride, offset) > _end(base.size, base.stride, 0):
+                raise _Refused("view outside its base")
+            return g.call_function(torch.ops.aten.as_strided.default, (out, list(size), list(stride), offset))
+        return type_of(r[0])(value(x) for x in r[1:])
+
+    def type_of(name):
+        return list if name == "list" else tuple
+
+    def arg(a):
+        if isinstance(a, tuple) and a and a[0] in ("i", "n"):
+            return value(a)
+        if isinstance(a, tuple) and a and a[0] in ("list", "tuple"):
+            return type_of(a[0])(arg(x) for x in a[1:])
+        return a
+
+    for op, args, kwargs in key:
+        results.append(g.call_function(op, tuple(arg(a) for a in args), {k: arg(v) for k, v in kwargs}))
+    outs = []
+    for pos, k in outputs:
+        node = nodes[p.nodes[pos]]
+        outs.append(results[pos] if len(node.outputs) == 1 else g.call_function(operator.getitem, (results[pos], k)))
+    g.output(tuple(outs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _runnable() -> bool:
+    return torch._C._len_torch_dispatch_stack() == 0 and not torch.compiler.is_compiling()
+
+
+def run(graph, p, source, wanted_groups) -> dict | None:
+    """Run plan ``p`` compiled, if it may be: returns {group: tensor on its storage, laid out
+    as its creator returned it} for every group in ``wanted_groups`` the plan creates, or
+    None (replay op by op). ``source(meta)`` gives an input laid out as ``meta``."""
+    if not _runnable():
+        _stats["eager"] += 1
+        return None
+    try:
+        structure, input_metas, created = _structure(graph, p)
+    except _Refused as e:
+        _stats[f"refused:{e}"] += 1
+        return None
+    wanted = sorted((where, gid) for gid, where in created.items() if gid in wanted_groups)
+    outputs = tuple(where for where, _ in wanted)
+    key = (structure, outputs)
+    with _lock:
+        prog = _programs.get(key)
+        if prog is None:
+            if len(_seen) > 16 * _MAX_PROGRAMS:
+                _seen.clear()  # structures seen once each, again and again: forget them
+            _seen[key] += 1
+            if _seen[key] < _REPEATS_BEFORE_COMPILE or len(_programs) >= _MAX_PROGRAMS:
+                prog = "not yet"
+    if isinstance(prog, str):
+        _stats["eager"] += 1
+        return None
+    inputs = [source(m).detach() for m in input_metas]
+    with torch.no_grad(), torch._C._DisableAutocast():
+        if prog is None:
+            try:
+                gm = _build(graph, p, structure, len(inputs), outputs)
+                prog = _Program(torch._inductor.compile(gm, inputs, options=_OPTIONS))
+            except _Refused as e:
+                return _refuse(key, str(e))
+            except Exception as e:  # inductor could not compile it: op by op is always right
+                warnings.warn(f"tracedac: compiled replay failed to compile a replay of {len(p.nodes)} ops "
+                              f"({type(e).__name__}: {e}); it replays op by op", stacklevel=2)
+                return _refuse(key, f"compile error {type(e).__name__}")
+            with _lock:
+                _programs[key] = prog
+                _seen.pop(key, None)
+            _stats["compiled"] += 1
+        outs = prog.fn(*inputs)
+    result = {}
+    storages = {t.untyped_storage()._cdata for t in inputs}
+    for ((pos, k), gid), o in zip(wanted, outs):
+        m = graph.nodes[p.nodes[pos]].outputs[k]
+        s = o.untyped_storage() if isinstance(o, torch.Tensor) else None
+        if (s is None or o.size() != m.size or o.stride() != m.stride or o.storage_offset() != m.offset
+                or o.dtype != m.dtype or s.nbytes() != graph.groups[gid].nbytes or s._cdata in storages):
+            # inductor's outputs are not laid out as the recorded ones (or share a storage):
+            # this structure replays op by op from now on
+            return _refuse(key, "layout")
+        storages.add(s._cdata)
+        result[gid] = o
+    _stats["runs"] += 1
+    return result
+
+
+def _refuse(key, reason: str) -> None:
+    with _lock:
+        _programs[key] = reason
+        _seen.pop(key, None)
+    _stats[f"refused:{reason}"] += 1
+    return None
