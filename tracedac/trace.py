@@ -240,10 +240,13 @@ class TracerMode(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        # Without this, dynamo skips (for good) the code of a compiled function first called
-        # inside a region. Compiled code then runs as compiled: the ops it dispatches are
-        # recorded, and results of fused kernels the mode does not see are held as inputs.
-        return True
+        # False: dynamo runs a compiled function called inside a region as plain Python, so
+        # every op it runs is recorded. True would keep it compiled, but inductor's fused
+        # kernels write tensors without dispatching an op: an in-place write of a tensor the
+        # region made (``m.add_(1)`` in the compiled function) would go unrecorded and replay
+        # would rebuild the value before it, silently (tests/test_compile.py). The price:
+        # dynamo then skips that function's code for the rest of the process.
+        return False
 
     def __init__(self, graph: RegionGraph, region):
         super().__init__()
