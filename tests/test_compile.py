@@ -255,6 +255,31 @@ def test_save_names_and_print_saved_report_what_the_compiled_graph_saves(capsys)
         tracedac.saved_report(c, x, policy=policies.save_all())
 
 
+class Named(nn.Module):
+    """Labels on a view (``.t()`` of a matmul) and on one result of an op with several
+    (``var_mean``): eagerly, ``tracedac.name`` labels the storage's producer; compiled too."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d))
+
+    def forward(self, x):  # [B, d]
+        h = tracedac.name((x @ self.w).t(), "viewed")  # [d, B]
+        var, mean = torch.var_mean(h, dim=0)
+        mean = tracedac.name(mean, "mean")  # [B]
+        return (h.sin() * var).sum() + mean.exp().sum()
+
+
+def test_a_label_on_a_view_or_one_of_several_results_is_saved_compiled():
+    m = tracedac.checkpoint(Named(), policy=policies.save_names("viewed", "mean"))
+    c = torch.compile(m, backend=BACKEND, fullgraph=True)
+    rows = tracedac.saved_report(c, X.clone().requires_grad_()).rows
+    kept = [(str(r.op), r.label) for r in rows if r.op != "input"]
+    # the matmul under the labelled view, and var_mean's labelled result
+    assert ("aten.mm.default", "") in kept and ("<built-in function getitem>", "mean") in kept, kept
+    assert "MUST_SAVE" in next(r.why for r in rows if str(r.op) == "aten.mm.default")
+
+
 def test_inductor_compiles_the_regions_fullgraph_dynamic_with_equal_gradients(reference):
     import torch._inductor.config as inductor_config
 
