@@ -240,3 +240,46 @@ def test_gradients_dropped_or_zeroed_by_the_user_between_backwards_accumulate_as
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+def _two_units_sharing_a_bias():
+    m = nn.Module()
+    m.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    m.layers[1].bias = m.layers[0].bias  # held by layers.1 after its own weight: two groups, one use out of order
+    return m
+
+
+def test_to_empty_respecs_every_group_and_keeps_parameter_order(world1, monkeypatch):
+    import sys
+
+    zshard = sys.modules["tracedac.zero.shard"]
+    with torch.device("meta"):
+        m = _two_units_sharing_a_bias()
+    keys = list(m.state_dict())
+    from torch.distributed.device_mesh import DeviceMesh
+
+    real = zshard._mesh
+    # A mesh of another device type than the shards' next one (as meta -> cuda under NCCL).
+    monkeypatch.setattr(zshard, "_mesh", lambda group, device: DeviceMesh.from_group(group, "meta"))
+    zero.shard(m)
+    monkeypatch.setattr(zshard, "_mesh", real)
+    assert len(zshard.sharded(m).all_groups) == 2
+    m.to_empty(device="cpu")
+    assert list(m.state_dict()) == keys
+    params = [p for _, p in m.named_parameters()]
+    assert {p.device_mesh.device_type for p in params} == {"cpu"}
+    assert all(p.to_local().device.type == "cpu" for p in params)
+    m.layers[0].reset_parameters()
+    m.layers[1].reset_parameters()
+    m.layers[1](m.layers[0](torch.randn(2, 4))).sum().backward()
+    assert all(p.grad is not None for p in params)
+
+
+def test_order_check_rows_live_where_the_backend_moves_tensors(monkeypatch):
+    from tracedac.zero.ops import collective_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # no GPU here: the choice, not the move
+
+    assert collective_device("gloo", torch.device("cpu")) == torch.device("cpu")
+    assert collective_device("nccl", torch.device("cpu")) == torch.device("cuda", 3)  # NCCL moves no CPU tensor
+    assert collective_device("cpu:gloo,cuda:nccl", torch.device("cpu")) == torch.device("cuda", 3)

@@ -249,19 +249,31 @@ class ZeroModule:
                 f"model shard() was called on ({type(z.module).__name__}), whose shards move together."
             )
         uses = [(m, attr) for g in groups for s in g.slices for m, attr in s.uses]
+        # Popped and put back below: remember each module's order, so named_parameters()
+        # and state_dict keep theirs.
+        orders = {id(m): (m, list(m._parameters)) for m, _ in uses}
         for m, attr in uses:
             m._parameters.pop(attr, None)
+        # One mesh for the device the shards move to, computed once: every group is
+        # re-specced over it (not only the first one that moved).
+        mesh = z.mesh
+        for g, new in zip(groups, moved):
+            if new is not g.local and new.device != g.local.device and new.device.type != mesh.device_type:
+                mesh = _mesh(g.group, new.device)
+                break
         _applying.on = True
         try:
             super()._apply(fn, recurse)  # buffers and anything that is not a shard
         finally:
             _applying.on = False
+            if mesh is not z.mesh:
+                for c in _all_sharded(z):
+                    c.mesh = mesh
+                for g in groups:
+                    for s in g.slices:
+                        s.spec = spec_for(mesh, s.shape)
             for g, new in zip(groups, moved):
                 if new is not g.local:
-                    if new.device != g.local.device and new.device.type != z.mesh.device_type:
-                        z.mesh = _mesh(g.group, new.device)
-                        for s in g.slices:
-                            s.spec = spec_for(z.mesh, s.shape)
                     if g.local.is_meta:
                         new.zero_()  # to_empty: the padding must hold zeros
                     g.bind(new)  # new DTensor parameters: build the optimizer after moving
@@ -269,10 +281,18 @@ class ZeroModule:
                     for s in g.slices:
                         for m, attr in s.uses:
                             m._parameters[attr] = s.param
+            for m, order in orders.values():
+                now = dict(m._parameters)
+                m._parameters.clear()
+                m._parameters.update({k: now.pop(k) for k in order if k in now} | now)
         return self
 
 
 _applying = threading.local()
+
+
+def _all_sharded(z: Sharded) -> list[Sharded]:
+    return [z] + [d for c in z.children for d in _all_sharded(c)]
 
 
 def _as_zero_module(module: nn.Module) -> None:
