@@ -283,3 +283,19 @@ def test_order_check_rows_live_where_the_backend_moves_tensors(monkeypatch):
     assert collective_device("gloo", torch.device("cpu")) == torch.device("cpu")
     assert collective_device("nccl", torch.device("cpu")) == torch.device("cuda", 3)  # NCCL moves no CPU tensor
     assert collective_device("cpu:gloo,cuda:nccl", torch.device("cpu")) == torch.device("cuda", 3)
+
+
+def test_a_weight_tied_between_a_block_sharded_first_and_the_model_is_refused_naming_both(world1):
+    m = nn.Module()
+    m.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    m.head = nn.Linear(4, 4)
+    m.head.weight = m.blocks[0].weight
+    zero.shard(m.blocks[0])
+    with pytest.raises(zero.ZeroError, match=r"'head.weight'.*'blocks.0.weight'.*level containing both"):
+        zero.shard(m)
+    n = nn.Module()  # the same tie sharded at one level: one parameter, gathered by both units
+    n.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    n.head = nn.Linear(4, 4)
+    n.head.weight = n.blocks[0].weight
+    zero.shard(n)
+    assert n.head.weight is n.blocks[0].weight

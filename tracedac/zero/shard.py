@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -390,7 +391,21 @@ def _nested(module: nn.Module, uses) -> list[Sharded]:
     inner = [m.__dict__["_tracedac_zero"] for m in module.modules() if "_tracedac_zero" in m.__dict__]
     children = [z for z in inner if z.parent is None]
     mine = {id(g) for z in inner for g in z.all_groups}
+    made_by = {id(g): z for z in inner for g in z.groups}
+    names = {id(m): name for name, m in module.named_modules()}
     for u in uses:
+        replaced = getattr(u.param, "_tracedac_replaced_by", None)
+        g = replaced[0]() if replaced is not None else None
+        if g is not None and id(g) in made_by:
+            inner_fqn = f"{names[id(made_by[id(g)].module)]}.{replaced[1]}".lstrip(".")
+            raise ZeroError(
+                f"parameter {u.fqn!r} is the same Parameter as {inner_fqn!r}, which an earlier "
+                f"shard() call on a submodule already sharded: it replaced {inner_fqn!r} with its "
+                f"shard but cannot see {u.fqn!r} outside that submodule, so the two would be "
+                "untied and train apart. Shard at a level containing both uses: do not shard "
+                "that submodule on its own, let this shard() call take it (units=... still "
+                "chooses what is gathered together)."
+            )
         g = getattr(u.param, "_tracedac_group", None)
         if g is not None and id(g) not in mine:
             raise ZeroError(
@@ -554,6 +569,9 @@ def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
         g.local = local  # bound (DTensors made) once _attach knows every place each is held
         for piece, p in enumerate(params):
             owner[id(p)] = (g, piece)
+            # The replaced Parameter remembers where it went: a later shard() of an enclosing
+            # model that still finds it (tied to a module outside this call) refuses it.
+            p._tracedac_replaced_by = (weakref.ref(g), slices[piece].fqn)
         unit.own.append(g)
     return owner
 
