@@ -299,3 +299,33 @@ def test_a_weight_tied_between_a_block_sharded_first_and_the_model_is_refused_na
     n.head.weight = n.blocks[0].weight
     zero.shard(n)
     assert n.head.weight is n.blocks[0].weight
+
+
+def _linears():
+    m = nn.Module()
+    m.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 3)])
+    return m
+
+
+def test_load_state_dict_with_assign_writes_into_the_shards_and_keeps_training(world1):
+    ref = _linears()
+    sd = {k: v + 1 for k, v in ref.state_dict().items()}
+    for assigned in (sd, {k: v for k, v in zero.shard(_linears()).state_dict().items()}):
+        m = zero.shard(_linears())
+        own = {n: p for n, p in m.named_parameters()}
+        m.load_state_dict({k: v.clone() for k, v in assigned.items()}, assign=True)
+        assert all(p is own[n] for n, p in m.named_parameters())  # the group's own parameters, still
+        for k, v in assigned.items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            assert torch.equal(m.get_parameter(k).full_tensor(), full)
+        x = torch.randn(2, 4)
+        m.layers[1](m.layers[0](x)).sum().backward()
+        assert all(p.grad is not None for p in m.parameters())
+
+
+def test_load_state_dict_with_assign_into_a_model_on_meta_says_to_call_to_empty(world1):
+    with torch.device("meta"):
+        m = zero.shard(_linears())
+    with pytest.raises(zero.ZeroError, match="to_empty"):
+        m.load_state_dict(_linears().state_dict(), assign=True)
+    assert all(p._tracedac_group is not None for p in m.parameters())  # nothing left detached

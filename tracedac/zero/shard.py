@@ -494,6 +494,13 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
             m.register_forward_pre_hook(autocast.pre)
             m.register_forward_hook(autocast.post, always_call=True)
     groups = [g for u in units_by_name.values() for g in u.own]
+    held: dict = {}
+    for g in groups:
+        for sl in g.slices:
+            for m, attr in sl.uses:
+                held.setdefault(id(m), (m, []))[1].append((attr, g, sl))
+    for m, places in held.values():
+        m.register_load_state_dict_post_hook(_Reattach(places))
     z = Sharded(module, group, active, groups, mp, mesh, state, children)
     names = {id(m): name for name, m in module.named_modules()}
     for child in children:
@@ -505,6 +512,45 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     _as_zero_module(module)
     module.__dict__["_tracedac_zero"] = z
     return module
+
+
+class _Reattach:
+    """A load_state_dict post hook: ``assign=True`` (which ``set_model_state_dict`` uses) put
+    new Parameter objects where the shards were, which no gather would read and no gradient
+    reach. Copy each assigned value's rows into the flat buffer and put the group's own
+    parameter back; a value or model on meta cannot be copied and is refused."""
+
+    def __init__(self, places):
+        self.places = places  # (attr, group, slice) of the module the hook is on
+
+    def __call__(self, module, incompatible_keys) -> None:
+        assigned = []
+        for attr, g, s in self.places:  # every place restored first: an error leaves none detached
+            new = module._parameters.get(attr)
+            if new is not s.param:
+                module._parameters[attr] = s.param
+                if new is not None:
+                    assigned.append((g, s, new))
+        for g, s, new in assigned:
+            if g.local.is_meta or new.is_meta:
+                raise ZeroError(
+                    f"load_state_dict(assign=True) (set_model_state_dict uses it) put a new tensor at "
+                    f"{s.fqn!r} of a model sharded by tracedac.zero while "
+                    f"{'the model' if g.local.is_meta else 'that tensor'} is on meta: nothing can be "
+                    "copied into the shards, and the new tensor would be silently detached from them. "
+                    "Call model.to_empty(device=...) after shard() and before loading, and load real "
+                    "values (or use tracedac.zero.load_full_state_dict)."
+                )
+            with torch.no_grad():
+                if isinstance(new, DTensor) and new.placements == s.spec.placements and new.to_local().shape == s.local_shape:
+                    rows = new.to_local()  # already this rank's Shard(0) rows: no communication
+                else:
+                    full = new.full_tensor() if isinstance(new, DTensor) else new
+                    if full.shape != s.shape:
+                        raise ZeroError(f"load_state_dict(assign=True) gave {s.fqn!r} the shape "
+                                        f"{tuple(full.shape)}; the sharded parameter has {tuple(s.shape)}.")
+                    rows = s.rows_of(full, g.rank, g.world)
+                s.local(g.local).copy_(rows)
 
 
 class _Use:
