@@ -329,3 +329,12 @@ def test_load_state_dict_with_assign_into_a_model_on_meta_says_to_call_to_empty(
     with pytest.raises(zero.ZeroError, match="to_empty"):
         m.load_state_dict(_linears().state_dict(), assign=True)
     assert all(p._tracedac_group is not None for p in m.parameters())  # nothing left detached
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    sd = _linears().state_dict()
+    with pytest.raises(zero.ZeroError, match="to_empty"):
+        set_model_state_dict(m, dict(sd), options=options)
+    m.to_empty(device="cpu")
+    set_model_state_dict(m, dict(sd), options=options)
+    assert all(torch.equal(m.get_parameter(k).full_tensor(), v) for k, v in sd.items())
