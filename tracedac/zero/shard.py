@@ -542,7 +542,8 @@ class _Reattach:
                     "values (or use tracedac.zero.load_full_state_dict)."
                 )
             with torch.no_grad():
-                if isinstance(new, DTensor) and new.placements == s.spec.placements and new.to_local().shape == s.local_shape:
+                if (isinstance(new, DTensor) and new.device_mesh == s.spec.mesh and new.placements == s.spec.placements
+                        and new.to_local().shape == s.local_shape):
                     rows = new.to_local()  # already this rank's Shard(0) rows: no communication
                 else:
                     full = new.full_tensor() if isinstance(new, DTensor) else new
