@@ -244,3 +244,21 @@ def test_a_sparse_result_is_refused_with_a_checkpoint_error():
     x = torch.randn(3, 4, requires_grad=True)
     with pytest.raises(tracedac.CheckpointError, match=r"sparse_coo .*returned by aten._to_sparse.*outside"):
         tracedac.checkpoint(lambda x: (x * 2).to_sparse().to_dense().sum())(x)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_writes_through_a_tensor_list_argument_match_eager(policy):
+    """``Tensor(a!)[]`` arguments (the ``_foreach_*_`` ops, what fused optimizers and AMP's
+    unscale run) write every tensor of the list: replay must start from the written values, and
+    two views of one storage in the list are one write."""
+    def fn(x):
+        y, z = x * 2, x + 1  # (nothing autograd saves is written: eager must accept it)
+        torch._foreach_mul_([y, z], 3.0)
+        torch._foreach_add_([y[:2], y[2:]], [z[:2], z[2:]])
+        return y.sin().sum() + z.cos().sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(fn(x), x)[0]
+    with fill_fresh_with_nan():
+        got = torch.autograd.grad(tracedac.checkpoint(fn, policy=policy)(x), x)[0]
+    assert torch.equal(got, expected)

@@ -177,6 +177,18 @@ def user_source() -> str | None:
     return None
 
 
+def _written_tensors(positions, args, kwargs):
+    """The tensors at the written ``(position, name)`` arguments, each tensor of a written list
+    (``Tensor(a!)[]``: the ``_foreach_*_`` ops, ``_amp_foreach_non_finite_check_and_unscale_``)
+    included."""
+    for pos, name in positions:
+        t = args[pos] if pos < len(args) else kwargs.get(name)
+        if isinstance(t, _Tensor):
+            yield t
+        elif t.__class__ in _SEQUENCES:
+            yield from (x for x in t if isinstance(x, _Tensor))
+
+
 def _check_replayable(t: torch.Tensor, producer=None) -> None:
     """Refuse what tracedac cannot replay: ``t`` reached an op, or ``producer`` returned it."""
     where = "reached an op" if producer is None else f"was returned by {producer}"
@@ -228,10 +240,13 @@ class TracerMode(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        # Without this, dynamo skips (for good) the code of a compiled function first called
-        # inside a region. Compiled code then runs as compiled: the ops it dispatches are
-        # recorded, and results of fused kernels the mode does not see are held as inputs.
-        return True
+        # False: dynamo runs a compiled function called inside a region as plain Python, so
+        # every op it runs is recorded. True would keep it compiled, but inductor's fused
+        # kernels write tensors without dispatching an op: an in-place write of a tensor the
+        # region made (``m.add_(1)`` in the compiled function) would go unrecorded and replay
+        # would rebuild the value before it, silently (tests/test_compile.py). The price:
+        # dynamo then skips that function's code for the rest of the process.
+        return False
 
     def __init__(self, graph: RegionGraph, region):
         super().__init__()
@@ -361,12 +376,11 @@ class TracerMode(TorchDispatchMode):
     def _writes(self, writes, rebinds, args, kwargs) -> list:
         """(tensor, group, storage address, bytes) of each tensor the op writes or rebinds."""
         written = []
-        for pos, name in writes + rebinds:
-            t = args[pos] if pos < len(args) else kwargs.get(name)
-            if not isinstance(t, _Tensor):
-                continue
+        for t in _written_tensors(writes + rebinds, args, kwargs):
             storage = t.untyped_storage()  # (once per written tensor: the write check needs its size)
             g = self.storages[storage._cdata]
+            if any(w[1] is g for w in written):
+                continue  # two views of one storage in a list (_foreach_add_): one write of the group
             if writes and g.creator is None and not g.mutations:
                 # The outside tensor's value before this write may be needed to replay what
                 # read it, and the write cannot be undone: copy it now (the region's end drops

@@ -10,7 +10,7 @@ the JIT's alias analysis use) special-cases the "training ops" whose arguments a
 exactly when a ``training`` / ``train`` / ``use_input_stats`` flag is true: ``batch_norm``,
 ``instance_norm``, ``_batch_norm_impl_index``, ``native_batch_norm`` (and ``.out``),
 ``cudnn_batch_norm``, ``miopen_batch_norm``. ``_EXTRA`` adds the kernels that list misses,
-each with its reason; ``tests/test_writes.py`` checks every entry against the kernels
+each with its reason; ``tests/test_effects.py`` checks every entry against the kernels
 (on CPU: that the argument really changes) and that torch's list is found.
 
 An op that names an unannotated tensor argument as written here is recorded as writing it
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EXTRA", "hidden_writes"]
+__all__ = ["EXTRA", "hidden_writes", "writes_now"]
 
 # The flags torch's SchemaInfo reads to decide whether a training op mutates its stats.
 _FLAGS = ("training", "train", "use_input_stats")

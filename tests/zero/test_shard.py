@@ -240,3 +240,101 @@ def test_gradients_dropped_or_zeroed_by_the_user_between_backwards_accumulate_as
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+def _two_units_sharing_a_bias():
+    m = nn.Module()
+    m.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    m.layers[1].bias = m.layers[0].bias  # held by layers.1 after its own weight: two groups, one use out of order
+    return m
+
+
+def test_to_empty_respecs_every_group_and_keeps_parameter_order(world1, monkeypatch):
+    import sys
+
+    zshard = sys.modules["tracedac.zero.shard"]
+    with torch.device("meta"):
+        m = _two_units_sharing_a_bias()
+    keys = list(m.state_dict())
+    from torch.distributed.device_mesh import DeviceMesh
+
+    real = zshard._mesh
+    # A mesh of another device type than the shards' next one (as meta -> cuda under NCCL).
+    monkeypatch.setattr(zshard, "_mesh", lambda group, device: DeviceMesh.from_group(group, "meta"))
+    zero.shard(m)
+    monkeypatch.setattr(zshard, "_mesh", real)
+    assert len(zshard.sharded(m).all_groups) == 2
+    m.to_empty(device="cpu")
+    assert list(m.state_dict()) == keys
+    params = [p for _, p in m.named_parameters()]
+    assert {p.device_mesh.device_type for p in params} == {"cpu"}
+    assert all(p.to_local().device.type == "cpu" for p in params)
+    m.layers[0].reset_parameters()
+    m.layers[1].reset_parameters()
+    m.layers[1](m.layers[0](torch.randn(2, 4))).sum().backward()
+    assert all(p.grad is not None for p in params)
+
+
+def test_order_check_rows_live_where_the_backend_moves_tensors(monkeypatch):
+    from tracedac.zero.ops import collective_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # no GPU here: the choice, not the move
+
+    assert collective_device("gloo", torch.device("cpu")) == torch.device("cpu")
+    assert collective_device("nccl", torch.device("cpu")) == torch.device("cuda", 3)  # NCCL moves no CPU tensor
+    assert collective_device("cpu:gloo,cuda:nccl", torch.device("cpu")) == torch.device("cuda", 3)
+
+
+def test_a_weight_tied_between_a_block_sharded_first_and_the_model_is_refused_naming_both(world1):
+    m = nn.Module()
+    m.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    m.head = nn.Linear(4, 4)
+    m.head.weight = m.blocks[0].weight
+    zero.shard(m.blocks[0])
+    with pytest.raises(zero.ZeroError, match=r"'head.weight'.*'blocks.0.weight'.*level containing both"):
+        zero.shard(m)
+    n = nn.Module()  # the same tie sharded at one level: one parameter, gathered by both units
+    n.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    n.head = nn.Linear(4, 4)
+    n.head.weight = n.blocks[0].weight
+    zero.shard(n)
+    assert n.head.weight is n.blocks[0].weight
+
+
+def _linears():
+    m = nn.Module()
+    m.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 3)])
+    return m
+
+
+def test_load_state_dict_with_assign_writes_into_the_shards_and_keeps_training(world1):
+    ref = _linears()
+    sd = {k: v + 1 for k, v in ref.state_dict().items()}
+    for assigned in (sd, {k: v for k, v in zero.shard(_linears()).state_dict().items()}):
+        m = zero.shard(_linears())
+        own = {n: p for n, p in m.named_parameters()}
+        m.load_state_dict({k: v.clone() for k, v in assigned.items()}, assign=True)
+        assert all(p is own[n] for n, p in m.named_parameters())  # the group's own parameters, still
+        for k, v in assigned.items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            assert torch.equal(m.get_parameter(k).full_tensor(), full)
+        x = torch.randn(2, 4)
+        m.layers[1](m.layers[0](x)).sum().backward()
+        assert all(p.grad is not None for p in m.parameters())
+
+
+def test_load_state_dict_with_assign_into_a_model_on_meta_says_to_call_to_empty(world1):
+    with torch.device("meta"):
+        m = zero.shard(_linears())
+    with pytest.raises(zero.ZeroError, match="to_empty"):
+        m.load_state_dict(_linears().state_dict(), assign=True)
+    assert all(p._tracedac_group is not None for p in m.parameters())  # nothing left detached
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    sd = _linears().state_dict()
+    with pytest.raises(zero.ZeroError, match="to_empty"):
+        set_model_state_dict(m, dict(sd), options=options)
+    m.to_empty(device="cpu")
+    set_model_state_dict(m, dict(sd), options=options)
+    assert all(torch.equal(m.get_parameter(k).full_tensor(), v) for k, v in sd.items())

@@ -67,6 +67,13 @@ class RegionView:
             return type(a)(self._arg(x) for x in a)
         return _int(a) if isinstance(a, torch.SymInt) else a
 
+    def _label(self, m: TensorMeta, labels: frozenset) -> None:
+        """A label on a view or on one result of several names the storage's producer, as
+        ``tracedac.name`` does eagerly."""
+        creator = self.graph.groups[m.group].creator if labels else None
+        if creator is not None:
+            creator.labels = creator.labels | labels
+
     def add(self, n: torch.fx.Node, labels: frozenset) -> None:
         """Add forward node ``n`` of the region (in graph order)."""
         val = n.meta.get("val")
@@ -74,6 +81,7 @@ class RegionView:
             base = self.values.get(n.args[0])
             if isinstance(base, tuple) and base[n.args[1]] is not None:
                 self.values[n] = base[n.args[1]]
+                self._label(self.values[n], labels)
             return
         op = n.target
         if not isinstance(op, torch._ops.OpOverload):
@@ -87,6 +95,7 @@ class RegionView:
             if base is not None:  # a view of a value in the region's graph: same storage, no node
                 self.values[n] = TensorMeta(base.group, 0, val.dtype, tuple(_int(s) for s in val.shape),
                                             tuple(_int(s) for s in val.stride()), _int(val.storage_offset()))
+                self._label(base, labels)
                 return
         args = tuple(self._arg(a) for a in n.args)
         kwargs = {k: self._arg(v) for k, v in n.kwargs.items()}

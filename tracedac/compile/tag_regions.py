@@ -174,6 +174,8 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     labels = _fold_names(graph)
     backward = _backward_nodes(graph)
     runs = _region_runs(graph, backward)
+    if not runs and not labels:
+        return gm  # no region in this graph (the pass sees every joint graph once installed)
     budgets = any(isinstance(planner_of(SPECS[key][0]), MemoryBudget) for key, _ in runs if key in SPECS)
     baseline = untagged_saved(gm) if budgets else None
     for ac_graph_id, (key, nodes) in enumerate(runs, start=1):

@@ -116,6 +116,14 @@ class _Pending:
         self.work, self.out, self.src = work, out, src
 
 
+def collective_device(backend: str, buffer_device: torch.device) -> torch.device:
+    """Where a small tensor for ``backend``'s collectives must live: NCCL moves only CUDA
+    tensors (the current device, as torch's own object collectives do); others, the buffer's."""
+    if "nccl" in str(backend):
+        return torch.device("cuda", torch.cuda.current_device())
+    return buffer_device
+
+
 class FlatGroup:
     """One flat group of a unit: parameters of one travel dtype and one ``requires_grad``.
 
@@ -189,8 +197,9 @@ class FlatGroup:
         """
         if self.world == 1:
             return
-        mine = torch.tensor([_WHAT[what], self.shard_numel, self.crc], dtype=torch.int64)
-        rows = torch.empty(self.world, 3, dtype=torch.int64)
+        device = collective_device(dist.get_backend(self.group), self.local.device)
+        mine = torch.tensor([_WHAT[what], self.shard_numel, self.crc], dtype=torch.int64, device=device)
+        rows = torch.empty(self.world, 3, dtype=torch.int64, device=device)
         self.wait(_all_gather(rows.view(-1), mine, group=self.group, async_op=True), f"{what} (order check)")
         if bool((rows == mine).all()):
             return

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -313,19 +314,31 @@ class ZeroModule:
                 f"model shard() was called on ({type(z.module).__name__}), whose shards move together."
             )
         uses = [(m, attr) for g in groups for s in g.slices for m, attr in s.uses]
+        # Popped and put back below: remember each module's order, so named_parameters()
+        # and state_dict keep theirs.
+        orders = {id(m): (m, list(m._parameters)) for m, _ in uses}
         for m, attr in uses:
             m._parameters.pop(attr, None)
+        # One mesh for the device the shards move to, computed once: every group is
+        # re-specced over it (not only the first one that moved).
+        mesh = z.mesh
+        for g, new in zip(groups, moved):
+            if new is not g.local and new.device != g.local.device and new.device.type != mesh.device_type:
+                mesh = _mesh(g.group, new.device)
+                break
         _applying.on = True
         try:
             super()._apply(fn, recurse)  # buffers and anything that is not a shard
         finally:
             _applying.on = False
+            if mesh is not z.mesh:
+                for c in _all_sharded(z):
+                    c.mesh = mesh
+                for g in groups:
+                    for s in g.slices:
+                        s.spec = spec_for(mesh, s.shape)
             for g, new in zip(groups, moved):
                 if new is not g.local:
-                    if new.device != g.local.device and new.device.type != z.mesh.device_type:
-                        z.mesh = _mesh(g.group, new.device)
-                        for s in g.slices:
-                            s.spec = spec_for(z.mesh, s.shape)
                     if g.local.is_meta:
                         new.zero_()  # to_empty: the padding must hold zeros
                     g.bind(new)  # new DTensor parameters: build the optimizer after moving
@@ -333,10 +346,18 @@ class ZeroModule:
                     for s in g.slices:
                         for m, attr in s.uses:
                             m._parameters[attr] = s.param
+            for m, order in orders.values():
+                now = dict(m._parameters)
+                m._parameters.clear()
+                m._parameters.update({k: now.pop(k) for k in order if k in now} | now)
         return self
 
 
 _applying = threading.local()
+
+
+def _all_sharded(z: Sharded) -> list[Sharded]:
+    return [z] + [d for c in z.children for d in _all_sharded(c)]
 
 
 def _as_zero_module(module: nn.Module) -> None:
@@ -434,7 +455,21 @@ def _nested(module: nn.Module, uses) -> list[Sharded]:
     inner = [m.__dict__["_tracedac_zero"] for m in module.modules() if "_tracedac_zero" in m.__dict__]
     children = [z for z in inner if z.parent is None]
     mine = {id(g) for z in inner for g in z.all_groups}
+    made_by = {id(g): z for z in inner for g in z.groups}
+    names = {id(m): name for name, m in module.named_modules()}
     for u in uses:
+        replaced = getattr(u.param, "_tracedac_replaced_by", None)
+        g = replaced[0]() if replaced is not None else None
+        if g is not None and id(g) in made_by:
+            inner_fqn = f"{names[id(made_by[id(g)].module)]}.{replaced[1]}".lstrip(".")
+            raise ZeroError(
+                f"parameter {u.fqn!r} is the same Parameter as {inner_fqn!r}, which an earlier "
+                f"shard() call on a submodule already sharded: it replaced {inner_fqn!r} with its "
+                f"shard but cannot see {u.fqn!r} outside that submodule, so the two would be "
+                "untied and train apart. Shard at a level containing both uses: do not shard "
+                "that submodule on its own, let this shard() call take it (units=... still "
+                "chooses what is gathered together)."
+            )
         g = getattr(u.param, "_tracedac_group", None)
         if g is not None and id(g) not in mine:
             raise ZeroError(
@@ -531,6 +566,13 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
             m.register_forward_pre_hook(autocast.pre)
             m.register_forward_hook(autocast.post, always_call=True)
     groups = [g for u in units_by_name.values() for g in u.own]
+    held: dict = {}
+    for g in groups:
+        for sl in g.slices:
+            for m, attr in sl.uses:
+                held.setdefault(id(m), (m, []))[1].append((attr, g, sl))
+    for m, places in held.values():
+        m.register_load_state_dict_post_hook(_Reattach(places))
     z = Sharded(module, group, active, groups, mp, mesh, state, children)
     names = {id(m): name for name, m in module.named_modules()}
     for child in children:
@@ -542,6 +584,46 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     _as_zero_module(module)
     module.__dict__["_tracedac_zero"] = z
     return module
+
+
+class _Reattach:
+    """A load_state_dict post hook: ``assign=True`` (which ``set_model_state_dict`` uses) put
+    new Parameter objects where the shards were, which no gather would read and no gradient
+    reach. Copy each assigned value's rows into the flat buffer and put the group's own
+    parameter back; a value or model on meta cannot be copied and is refused."""
+
+    def __init__(self, places):
+        self.places = places  # (attr, group, slice) of the module the hook is on
+
+    def __call__(self, module, incompatible_keys) -> None:
+        assigned = []
+        for attr, g, s in self.places:  # every place restored first: an error leaves none detached
+            new = module._parameters.get(attr)
+            if new is not s.param:
+                module._parameters[attr] = s.param
+                if new is not None:
+                    assigned.append((g, s, new))
+        for g, s, new in assigned:
+            if g.local.is_meta or new.is_meta:
+                raise ZeroError(
+                    f"load_state_dict(assign=True) (set_model_state_dict uses it) put a new tensor at "
+                    f"{s.fqn!r} of a model sharded by tracedac.zero while "
+                    f"{'the model' if g.local.is_meta else 'that tensor'} is on meta: nothing can be "
+                    "copied into the shards, and the new tensor would be silently detached from them. "
+                    "Call model.to_empty(device=...) after shard() and before loading, and load real "
+                    "values (or use tracedac.zero.load_full_state_dict)."
+                )
+            with torch.no_grad():
+                if (isinstance(new, DTensor) and new.device_mesh == s.spec.mesh and new.placements == s.spec.placements
+                        and new.to_local().shape == s.local_shape):
+                    rows = new.to_local()  # already this rank's Shard(0) rows: no communication
+                else:
+                    full = new.full_tensor() if isinstance(new, DTensor) else new
+                    if full.shape != s.shape:
+                        raise ZeroError(f"load_state_dict(assign=True) gave {s.fqn!r} the shape "
+                                        f"{tuple(full.shape)}; the sharded parameter has {tuple(s.shape)}.")
+                    rows = s.rows_of(full, g.rank, g.world)
+                s.local(g.local).copy_(rows)
 
 
 class _Use:
@@ -606,6 +688,9 @@ def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
         g.local = local  # bound (DTensors made) once _attach knows every place each is held
         for piece, p in enumerate(params):
             owner[id(p)] = (g, piece)
+            # The replaced Parameter remembers where it went: a later shard() of an enclosing
+            # model that still finds it (tied to a module outside this call) refuses it.
+            p._tracedac_replaced_by = (weakref.ref(g), slices[piece].fqn)
         unit.own.append(g)
     return owner
 
