@@ -2,6 +2,7 @@
 and gives op-by-op replay's values; what it cannot guarantee replays op by op."""
 
 import functools
+import math
 
 import pytest
 import torch
@@ -172,3 +173,18 @@ def test_nested_regions_read_the_enclosing_regions_handles(compiling):
     # both regions' passes compile on their second backward; the inner one's input is the
     # outer region's handle on h
     assert compiled.stats() == {"eager": 2, "compiled": 2, "runs": 4}
+
+
+def test_numbers_that_compare_equal_get_their_own_program(compiling):
+    # 0.0 == -0.0 (and True == 1): a structure key holding the bare number let the program
+    # compiled for 0.0 replay a region called with -0.0, +inf gradients where eager gives -inf
+    @tracedac.checkpoint(policy=policies.recompute_all())
+    def f(w, x, c):
+        return w / (x.mul(c) + x.mul(c))
+
+    x = torch.ones(4)
+    for c in [0.0, 0.0, 0.0, -0.0, -0.0, -0.0]:
+        w = torch.ones(4, requires_grad=True)
+        f(w, x, c).sum().backward()
+        assert torch.equal(w.grad, torch.full((4,), math.copysign(math.inf, c)))
+    assert compiled.stats()["compiled"] == 2  # one program per sign, each seen twice first

@@ -33,6 +33,7 @@ Off by default (on CPU it loses: docs/benchmarks.md). Turn it on with
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import threading
@@ -140,6 +141,8 @@ def _structure(graph, p):
             raise _Refused("layout argument")
         if isinstance(a, (list, tuple)):  # (a torch.Size is a tuple)
             return ("list" if isinstance(a, list) else "tuple", *(arg(x) for x in a))
+        if a.__class__ in (float, int, bool, complex):
+            return _number(a)
         hash(a)  # TypeError for what a structure cannot hold
         return a
 
@@ -165,6 +168,15 @@ def _structure(graph, p):
     except TypeError:
         raise _Refused("unhashable argument") from None
     return tuple(parts), input_metas, created
+
+
+def _number(a):
+    """A Python number as a key holds it: its type and, for a float, its sign, since
+    ``0.0 == -0.0`` and ``True == 1`` would let one compiled program serve both (measured:
+    ``w / x.mul(-0.0)`` replayed with the program made for ``0.0`` gave ``+inf`` gradients
+    where eager gives ``-inf``). NaN never equals itself, so its structure never compiles."""
+    sign = math.copysign(1.0, a) if a.__class__ is float else None
+    return ("num", a.__class__, a, sign)
 
 
 def _end(size, stride, offset: int) -> int:
@@ -207,6 +219,8 @@ def _build(graph, p, key, n_inputs: int, outputs):
         return list if name == "list" else tuple
 
     def arg(a):
+        if isinstance(a, tuple) and a and a[0] == "num":
+            return a[2]
         if isinstance(a, tuple) and a and a[0] in ("i", "n"):
             return value(a)
         if isinstance(a, tuple) and a and a[0] in ("list", "tuple"):
