@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -133,6 +134,17 @@ def test_regions_with_different_policies_and_budgets_share_one_graph():
     assert saved.get("memory_budget(0.2)", 0) < saved.get("memory_budget(0.8)", 0)
 
 
+def test_back_to_back_calls_of_one_region_are_two_region_calls():
+    """Each region entry marks the graph (``tracedac::region``): two calls of one checkpointed
+    function with nothing between them get two ``ac_graph_id``s, and no mark survives the pass."""
+    w = torch.randn(16, 16, requires_grad=True)
+    f = tracedac.checkpoint(lambda x: (x @ w).sin(), policy=policies.save_matmuls())
+    (part,) = partition(lambda x: f(f(x)).sum(), X.clone().requires_grad_())
+    ids = [n.meta.get("ac_graph_id") for n in part.fw.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert ids == [1, 2]
+    assert not any("tracedac.region" in str(n.target) for g in (part.fw, part.bw) for n in g.graph.nodes)
+
+
 def test_torchtitan_order_checkpoint_each_block_then_compile_each_block():
     from torch._dynamo.utils import counters
 
@@ -215,6 +227,48 @@ def test_compiled_function_inside_an_eager_region_gives_eager_gradients_and_writ
     want = torch.autograd.grad(f(x), (x, w))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_inductor_caches_never_serve_one_policy_the_partition_of_another():
+    """Compiler caches hash a graph's code, not ``node.meta``: the region's key must be in the
+    code (``tracedac::region``), or a model compiled again after the same code was compiled
+    with another policy gets that policy's partition. In a child with fresh caches."""
+    code = textwrap.dedent("""
+        import torch, torch._dynamo
+        from torch._dynamo.utils import counters
+        import tracedac
+        from tracedac import policies
+
+        class B(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l = torch.nn.Linear(8, 8)
+            def forward(self, x):
+                return self.l(x).sin().cos().tanh()
+
+        def saved(policy):
+            torch.manual_seed(0)
+            c = torch.compile(tracedac.checkpoint(B(), policy=policy), fullgraph=True)
+            x, n = torch.randn(4, 8, requires_grad=True), []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: n.append(t.numel()) or t, lambda t: t):
+                y = c(x)
+            y.sum().backward()
+            torch._dynamo.reset()
+            return sum(n)
+
+        first = saved(policies.save_all())
+        other = saved(policies.recompute_all())
+        again = saved(policies.save_all())
+        assert counters["aot_autograd"]["autograd_cache_saved"] >= 1  # the cache is in play
+        print(first, other, again)
+    """)
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tracedac.__file__)),
+               "TORCHINDUCTOR_CACHE_DIR": cache}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, other, again = map(int, proc.stdout.split())
+    assert other < first and again == first
 
 
 def test_fake_tensors_and_make_fx_trace_through_a_region_without_aborting():

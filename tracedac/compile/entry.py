@@ -1,19 +1,48 @@
-"""Entering a region while dynamo (or another tracer) traces it: no recorder, an annotation."""
+"""Entering a region while dynamo (or another tracer) traces it: no recorder, an annotation
+and a mark.
+
+- The annotation (``torch.fx.traceback.annotate({"tracedac_region": key})``) puts the
+  region's key on every node the region traces: the joint-graph pass reads it there.
+- The mark (``tracedac::region(key)``, an op that does nothing) puts the key in the graph's
+  code. Compiler caches hash the code and drop ``node.meta``: without the mark, two graphs
+  of the same code whose regions differ only in policy hashed alike, and the second was
+  served the first one's partition (measured: ``save_all`` compiled again after
+  ``recompute_all`` saved recompute_all's 104 elements, not its own 192). The mark also
+  starts a new region call, so two back-to-back calls of one region are planned apart.
+  The pass removes the marks before the partitioner runs; dead-code elimination keeps
+  them until then (``has_side_effect``).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.fx.node import has_side_effect
 
 from .registry import key_for
 
-__all__ = ["ANNOTATION", "traced_region"]
+__all__ = ["ANNOTATION", "MARK", "traced_region"]
 
 ANNOTATION = "tracedac_region"
+
+
+@torch.library.custom_op("tracedac::region", mutates_args=())
+def _mark(key: str) -> None:
+    """Does nothing: the region's key, written into the traced graph."""
+
+
+@_mark.register_fake
+def _(key):
+    return None
+
+
+MARK = torch.ops.tracedac.region.default
+has_side_effect(MARK)
 
 
 def traced_region(fn, args, kwargs, policy, name):
     """Call ``fn`` with every op it traces marked as region ``(policy, name)``."""
     key = key_for(policy, name)
     with fx_traceback.annotate({ANNOTATION: key}):
+        MARK(key)
         return fn(*args, **kwargs)

@@ -1,6 +1,7 @@
 """The joint-graph pass: each compiled region's policy or planner, written as the partitioner's tags.
 
-``tag_regions(gm) -> gm`` adds no node. It removes every ``tracedac::label`` node (``tracedac.name``) (its label
+``tag_regions(gm) -> gm`` adds no node. It removes every ``tracedac::region`` node (a region's
+entry, ``entry.py``: each starts a new region call) and every ``tracedac::label`` node (``tracedac.name``) (its label
 goes to ``meta["tracedac_labels"]`` of the node that produced the named value, and its
 users read that value instead). It then writes, on every forward node annotated
 ``tracedac_region`` (``entry.py``):
@@ -27,7 +28,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..decisions import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, is_save, resolve
 from ..planners import MemoryBudget, closure, min_cut_keep, planner_of, problem
-from .entry import ANNOTATION
+from .entry import ANNOTATION, MARK
 from .fx_graph import build
 from .registry import SPECS
 
@@ -66,6 +67,9 @@ def _region_runs(graph: torch.fx.Graph, backward: set) -> list[tuple[str, list]]
     current = None
     for n in graph.nodes:
         if n.op != "call_function" or n in backward:
+            continue
+        if n.target is MARK:  # a region's entry: a new call, even of the region just left
+            current = None
             continue
         custom = n.meta.get("custom")
         key = custom.get(ANNOTATION) if isinstance(custom, dict) else None
@@ -174,7 +178,12 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     labels = _fold_names(graph)
     backward = _backward_nodes(graph)
     runs = _region_runs(graph, backward)
+    marks = list(graph.find_nodes(op="call_function", target=MARK))
+    for n in marks:
+        graph.erase_node(n)
     if not runs and not labels:
+        if marks:
+            gm.recompile()
         return gm  # no region in this graph (the pass sees every joint graph once installed)
     budgets = any(isinstance(planner_of(SPECS[key][0]), MemoryBudget) for key, _ in runs if key in SPECS)
     baseline = untagged_saved(gm) if budgets else None
