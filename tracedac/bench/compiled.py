@@ -36,7 +36,7 @@ import torch
 
 import tracedac
 
-from . import probe
+from . import frontier, probe
 from .checkpointing import QUICK as _QUICK
 from .checkpointing import _held_after_forward
 from .child import Progress, clear_grads, mark, mib, seeded_step, table, target
@@ -132,7 +132,16 @@ def _measure(variant: CompiledVariant, base: GPT, batch, cfg: Config, steps: int
     return row
 
 
-def _targets(rows: dict) -> list[dict]:
+def _equal_bytes(curve: dict) -> float | None:
+    """tracedac memory_budget(0.5)'s replay FLOPs over torch's at the same bytes saved."""
+    (_, nbytes, flops), = [p for p in curve["tracedac"] if p[0] == 0.5]
+    theirs = frontier.at_bytes(curve["torch"], nbytes)
+    if theirs is None:
+        return None
+    return flops / theirs if theirs else (1.0 if flops == 0 else float("inf"))
+
+
+def _targets(rows: dict, curve: dict) -> list[dict]:
     def ratio(a, b, f):
         x, y = rows.get(a, {}).get(f), rows.get(b, {}).get(f)
         return None if x is None or not y else x / y
@@ -151,6 +160,8 @@ def _targets(rows: dict) -> list[dict]:
                ratio("tracedac_budget", "none", "saved_bytes"), 0.5),
         target("tracedac memory_budget(0.5) replay FLOPs / torch activation_memory_budget=0.5",
                ratio("tracedac_budget", "torch_budget", "replay_flops"), 1.0),
+        target("tracedac memory_budget(0.5) replay FLOPs / torch's budget curve at the same bytes",
+               _equal_bytes(curve), 1.0),
         target("tracedac recompute_all compiled step / eager", ratio("tracedac_recompute_all", "tracedac_eager", "step_s"),
                0.85),
     ]
@@ -167,13 +178,16 @@ def run(cfg: Config, *, steps: int = STEPS, quick: bool = False, progress=None) 
     for i, v in enumerate(VARIANTS, 1):
         say(f"[{i}/{len(VARIANTS)}] {v.label}")
         rows[v.key] = _measure(v, base, batch, cfg, steps, say)
+    say("equal bytes: memory_budget against activation_memory_budget, partitions only")
+    curve = frontier.sweep(base, batch, tracedac_budgets=(0.5,))
     reference = rows["none"]["grads"]
     for row in rows.values():
         grads = row.pop("grads")
         row["max_grad_diff"] = max(float((grads[n] - reference[n]).abs().max()) for n in reference)
     true_count = cfg.tokens * cfg.top_k * cfg.layers
     return {"config": cfg.__dict__, "steps": steps, "true_tokens": true_count, "rows": list(rows.values()),
-            "targets": _targets(rows), "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "frontier": curve, "targets": _targets(rows, curve), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
 
 
 def format_report(result: dict) -> str:
@@ -188,7 +202,11 @@ def format_report(result: dict) -> str:
             f"{r['tokens_counted']} / {result['true_tokens']}", f"{r['max_grad_diff']:.2e}",
         ])
     lines = [f"torch.compile (inductor, fullgraph=True), fixed-capacity MoE; {result['steps']} timed steps, "
-             f"torch {result['torch']}, {result['threads']} threads", *table(header, cells), "", "targets:"]
+             f"torch {result['torch']}, {result['threads']} threads", *table(header, cells), "",
+             "equal bytes (partitions only): budget, saved, replay GFLOP"]
+    for who, points in result["frontier"].items():
+        lines.append(f"  {who:9s} " + "  ".join(f"{b:.1f}: {mib(n)} {f / 1e9:.3f}" for b, n, f in points))
+    lines += ["", "targets:"]
     for t in result["targets"]:
         value = "-" if t["value"] is None else f"{t['value']:.3f}{t['unit']}"
         lines.append(f"  {mark(t['passed'])}  {t['name']}: {value} (target <= {t['limit']:.2f}{t['unit']})")

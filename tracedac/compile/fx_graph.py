@@ -89,12 +89,15 @@ class RegionView:
         tensors = val if isinstance(val, (list, tuple)) else (val,)
         if not any(isinstance(t, torch.Tensor) for t in tensors):
             return
-        if getattr(op, "is_view", False) and isinstance(val, torch.Tensor):
+        if getattr(op, "is_view", False) and all(isinstance(t, torch.Tensor) for t in tensors):
             base = next((self.value(a) for a in n.args if isinstance(a, torch.fx.Node)
                          and isinstance(a.meta.get("val"), torch.Tensor)), None)
             if base is not None:  # a view of a value in the region's graph: same storage, no node
-                self.values[n] = TensorMeta(base.group, 0, val.dtype, tuple(_int(s) for s in val.shape),
-                                            tuple(_int(s) for s in val.stride()), _int(val.storage_offset()))
+                # (``split``/``unbind`` return several views of it: each shares its storage too)
+                views = tuple(TensorMeta(base.group, 0, t.dtype, tuple(_int(s) for s in t.shape),
+                                         tuple(_int(s) for s in t.stride()), _int(t.storage_offset()))
+                              for t in tensors)
+                self.values[n] = views[0] if isinstance(val, torch.Tensor) else views
                 self._label(base, labels)
                 return
         args = tuple(self._arg(a) for a in n.args)
