@@ -23,7 +23,8 @@ def execute(name: str, tmp_path) -> str:
 
 def test_every_notebook_is_tested():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == ["01_tour.ipynb", "02_memory_budget.ipynb",
-                                                                  "03_compile.ipynb", "05_huggingface.ipynb"]
+                                                                  "03_compile.ipynb", "04_zero.ipynb",
+                                                                  "05_huggingface.ipynb"]
 
 
 def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twice_under_torch(tmp_path):
@@ -64,3 +65,17 @@ def test_the_huggingface_notebook_trains_with_tracedac_under_the_trainer(tmp_pat
     assert "torch's checkpoint: training loss" in text and "in 4 steps: {'0': 8, '1': 8}" in text
     assert "weights after training bitwise equal to the run without checkpointing: True" in text
     assert "state_dict keys unchanged: True" in text and "checkpointing on: False" in text
+
+
+def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memory(tmp_path):
+    import re
+
+    text = execute("04_zero.ipynb", tmp_path)
+    assert "blocks.0.up.weight     DTensor  (Shard(dim=0),)" in text
+    assert "forward graph of block 0: ['all_gather', 'release']" in text
+    assert "backward graph of block 0: ['all_gather', 'reduce_grad']" in text and "graph breaks: 0" in text
+    ratio = float(re.search(r"bf16 / fp32 bytes on the wire: ([0-9.]+)", text).group(1))
+    assert 0.5 <= ratio <= 0.51  # Linear weights in bf16, the LayerNorms' fp32
+    sharded, plain, unit = map(float, re.search(r"held after forward: sharded ([0-9.]+) KiB, unsharded ([0-9.]+) KiB; "
+                                                r"one block's parameters in fp32: ([0-9.]+) KiB", text).groups())
+    assert abs(sharded - plain) < unit / 4  # activations only: no gathered block outlives its forward
