@@ -290,6 +290,7 @@ def test_fake_tensors_and_make_fx_trace_through_a_region_without_aborting():
         m = tracedac.checkpoint(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
         ep = torch.export.export(m, (torch.randn(2, 4),))
         assert any("linear" in str(n.target) for n in ep.graph.nodes)
+        assert not any("tracedac.region" in str(n.target) for n in [*ep.graph.nodes, *gm.graph.nodes])
         print("ok")
     """)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tracedac.__file__))}

@@ -24,10 +24,9 @@ TIMEOUT_S = 120
 ALWAYS = ("replicated", "tracedac_fp32", "fsdp2_fp32", "tracedac_bf16", "fsdp2_bf16")
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    """One ``--zero --quick`` run on 2 ranks: (figures from --json, rank 0's and rank 1's stdout)."""
-    tmp = tmp_path_factory.mktemp("zero")
+def _two_ranks(tmp, *flags, timeout=TIMEOUT_S):
+    """``python -m tracedac.bench --zero --quick *flags`` on 2 ranks: (figures from --json,
+    rank 0's and rank 1's stdout)."""
     figures = tmp / "figures.json"
     procs, logs = [], []
     for rank in range(2):
@@ -37,11 +36,11 @@ def quick(tmp_path_factory):
         out, err = open(tmp / f"rank{rank}.out", "w+"), open(tmp / f"rank{rank}.err", "w+")  # files: no pipe to fill
         logs.append((out, err))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tracedac.bench", "--zero", "--quick", "--init-method", f"file://{tmp / 'init'}",
-             "--json", str(figures)],
+            [sys.executable, "-m", "tracedac.bench", "--zero", "--quick", *flags,
+             "--init-method", f"file://{tmp / 'init'}", "--json", str(figures)],
             env=env, stdout=out, stderr=err, text=True,
         ))
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -58,8 +57,20 @@ def quick(tmp_path_factory):
         texts.append((out.read(), err.read()))
         out.close(), err.close()
     for rank, (p, (_, err)) in enumerate(zip(procs, texts)):
-        assert p.returncode == 0, f"rank {rank} exited with {p.returncode} (killed after {TIMEOUT_S} s if -9):\n{err[-3000:]}"
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode} (killed after {timeout} s if -9):\n{err[-3000:]}"
     return json.loads(figures.read_text()), texts[0][0], texts[1][0]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One ``--zero --quick`` run on 2 ranks."""
+    return _two_ranks(tmp_path_factory.mktemp("zero"))
+
+
+@pytest.fixture(scope="module")
+def quick_compiled(tmp_path_factory):
+    """One ``--zero --compile --quick`` run on 2 ranks (most of it torch.compile)."""
+    return _two_ranks(tmp_path_factory.mktemp("zero_compiled"), "--compile", timeout=400)
 
 
 def rows(figures) -> dict:
@@ -160,3 +171,22 @@ def test_a_missing_deepspeed_shows_as_not_installed_and_the_rest_still_reports(q
     line = next(line for line in text.splitlines() if line.startswith("DeepSpeed ZeRO-3 bf16"))
     assert "not installed" in line
     assert "tracedac.zero bf16" in text and "targets:" in text
+
+
+def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_equal_losses(quick_compiled):
+    figures, rank0, _ = quick_compiled
+    by = rows(figures)
+    assert figures["compiled"] and "vs FSDP2 compiled" in rank0
+    assert list(by) == ["replicated", "tracedac_fp32", "tracedacc_fp32", "fsdp2c_fp32", "tracedac_bf16",
+                        "tracedacc_bf16", "fsdp2c_bf16"]
+    assert all(r["status"] == "ok" for r in by.values()), {k: r["status"] for k, r in by.items()}
+    assert by["tracedacc_fp32"]["graph_breaks"] == 0 and by["tracedacc_bf16"]["graph_breaks"] == 0
+    # no dropout in this mode: every fp32 row trains the replicated run's losses
+    for key in ("tracedac_fp32", "tracedacc_fp32", "fsdp2c_fp32"):
+        assert by[key]["loss_diff"] < 1e-4, (key, by[key]["loss_diff"])
+    # the bytes are counted from the process group's calls inside the compiled graphs too
+    assert by["tracedacc_fp32"]["all_gather_bytes"]["float32"] == by["tracedac_fp32"]["all_gather_bytes"]["float32"]
+    assert by["fsdp2c_bf16"]["all_gather_bytes"].get("bfloat16", 0) > 0
+    names = [t["name"] for t in figures["targets"]]
+    assert "tracedac.zero compiled fp32 step / FSDP2 compiled fp32" in names
+    assert "graph breaks, tracedac.zero compiled (checkpointed MoE)" in names

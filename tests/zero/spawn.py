@@ -61,3 +61,18 @@ def run_ranks(fn, world: int, *args, timeout: float = 90.0) -> list:
     if errors:
         raise AssertionError(f"{fn.__name__} failed on {world} ranks:\n" + "\n".join(errors))
     return [v for _, v in results]
+
+
+def part(results: list, name: str, world: int | None = None) -> list:
+    """Each rank's value of part ``name`` of a run of ``several``-style workers (each rank
+    returns {name: ("ok", value) or ("error", traceback)}); a rank's error fails the test."""
+    import pytest
+
+    out = []
+    for rank, parts in enumerate(results):
+        kind, value = parts[name]
+        if kind == "error":
+            where = f"rank {rank}" if world is None else f"rank {rank} of {world}"
+            pytest.fail(f"{name} failed on {where}:\n{value}")
+        out.append(value)
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from . import compile_workers as cw
-from .spawn import run_ranks
+from .spawn import part, run_ranks
 
 CASES = [("plain", "per-block", None), ("plain", "whole", None), ("wrap-before", "per-block", None),
          ("wrap-after", "whole", None), ("plain", "whole", True)]
@@ -27,13 +27,7 @@ def ranks(request):
 
 def _part(ranks, name):
     world, results = ranks
-    out = []
-    for rank, parts in enumerate(results):
-        kind, value = parts[name]
-        if kind == "error":
-            pytest.fail(f"{name} failed on rank {rank} of {world}:\n{value}")
-        out.append(value)
-    return out
+    return part(results, name, world)
 
 
 def test_compiled_fullgraph_training_equals_eager_zero_training(ranks):

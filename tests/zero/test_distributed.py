@@ -11,20 +11,13 @@ from __future__ import annotations
 import pytest
 
 from . import workers as w
-from .spawn import run_ranks
+from .spawn import part, run_ranks
 
 VARIANTS = ("plain", "wrap-before", "wrap-after", "inside-unit")
 
 
 def _part(two_ranks, name):
-    results, _ = two_ranks
-    out = []
-    for rank, parts in enumerate(results):
-        kind, value = parts[name]
-        if kind == "error":
-            pytest.fail(f"{name} failed on rank {rank}:\n{value}")
-        out.append(value)
-    return out
+    return part(two_ranks[0], name)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from . import fsdp_workers as fw
-from .spawn import run_ranks
+from .spawn import part, run_ranks
 
 ALL = ("nesting", "outside", "torch_checkpoint", "no_sync", "meta_init", "dtype_change", "llama")
 WORLDS = {1: ALL, 2: ALL, 3: ("nesting", "outside", "meta_init")}
@@ -34,13 +34,7 @@ def ranks(tmp_path_factory):
 def _part(ranks, world, name):
     if name not in WORLDS[world]:
         pytest.skip(f"{name} runs on {sorted(k for k, v in WORLDS.items() if name in v)} ranks")
-    out = []
-    for rank, parts in enumerate(ranks[world]):
-        kind, value = parts[name]
-        if kind == "error":
-            pytest.fail(f"{name} failed on rank {rank} of {world}:\n{value}")
-        out.append(value)
-    return out
+    return part(ranks[world], name, world)
 
 
 def _close(a, b, tol=1e-5):

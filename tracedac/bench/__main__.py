@@ -5,7 +5,8 @@ By default it runs the checkpointing comparison on the embedded MoE model (see
 planner benchmark (``planners``: ``memory_budget`` against torch.compile's
 ``activation_memory_budget`` on a small Llama); ``--compile`` checkpointing inside one
 ``torch.compile`` graph (``compiled``); ``--zero``, under
-``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``); ``--profile``
+``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``; with
+``--compile``, compiled); ``--profile``
 breaks one step down with torch.profiler (``profile``); ``--llama`` times a Llama-style decoder,
 the issue-18 GPU comparison (``llama_steps``). Progress goes to
 stderr, the table to stdout, and ``--json PATH`` writes every figure. Targets that are
@@ -56,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                    "--steps, --quick, --json, --quiet, --system-malloc apply)")
     p.add_argument("--compile", action="store_true",
                    help="compare checkpointing inside one torch.compile graph instead (inductor, fullgraph=True; "
-                   "the MoE model with fixed-capacity routing; size flags, --steps, --quick, --json apply)")
+                   "the MoE model with fixed-capacity routing; size flags, --steps, --quick, --json apply); "
+                   "with --zero: tracedac.zero compiled against FSDP2 compiled and against itself eager")
     p.add_argument("--profile", action="store_true", help="profile one step instead (torch.profiler): the "
                    "recorded forward and the replaying backward of tracedac recompute_all beside the plain "
                    "model's, time inside aten ops and outside them, the costliest ops (see profile.py); with "
@@ -125,6 +127,8 @@ def main(argv=None) -> int:
         figures = planners.run(steps=args.steps, quick=args.quick, progress=None if args.quiet else sys.stderr,
                                system_malloc=args.system_malloc)
         print(planners.format_report(figures))
+    elif args.zero:  # with --compile too: the compiled ZeRO rows
+        return _zero(parser, args)
     elif args.compile:
         from . import compiled
 
@@ -136,8 +140,6 @@ def main(argv=None) -> int:
         figures = compiled.run(cfg, steps=args.steps or compiled.STEPS, quick=args.quick,
                                progress=None if args.quiet else sys.stderr)
         print(compiled.format_report(figures))
-    elif args.zero:
-        return _zero(parser, args)
     elif args.profile:
         from . import checkpointing, llama_steps, profile
 
@@ -199,7 +201,8 @@ def _zero(parser: argparse.ArgumentParser, args) -> int:
     rank = zero.init(args.init_method)
     try:
         figures = zero.run(_config(args), steps=args.steps, quick=args.quick,
-                           progress=None if args.quiet else sys.stderr, system_malloc=args.system_malloc)
+                           progress=None if args.quiet else sys.stderr, system_malloc=args.system_malloc,
+                           compile=args.compile)
     finally:
         zero.finish()
     if rank == 0:  # one table and one file, however many ranks

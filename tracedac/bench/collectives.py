@@ -53,6 +53,17 @@ class AllGatherCounter(TorchDispatchMode):
     the all-gather ops; ``total()`` is the bytes of every dtype.
     """
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # A compiled function runs with the counter on (dynamo would refuse to run compiled
+        # code under a mode that is not ignored): what its graph dispatches, tracedac's gather
+        # ops and the collectives inside them, is counted; fused kernels move no bytes.
+        return True
+
+    # A compiled graph's higher-order ops (``run_and_save_rng_state`` for a replayed dropout)
+    # reach the mode at runtime: they move no bytes and run as they are.
+    supports_higher_order_operators = True
+
     def __init__(self):
         super().__init__()
         self.bytes: Counter[str] = Counter()
@@ -60,6 +71,8 @@ class AllGatherCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         if func.namespace not in _TORCH_NAMESPACES:
             return self._run_body(func, args, kwargs)
         out = func(*args, **kwargs)

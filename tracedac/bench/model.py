@@ -120,8 +120,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.router = Router(cfg)
-        self.capacity = None if cfg.capacity is None else \
-            min(cfg.tokens, math.ceil(cfg.capacity * cfg.tokens * cfg.top_k / cfg.experts))
+        self.capacity = cfg.capacity  # slots per routed token, on average (None: no fixed capacity)
+        self.top_k = cfg.top_k
         self.w1 = nn.Parameter(torch.randn(cfg.experts, cfg.dim, cfg.expert_hidden) / math.sqrt(cfg.dim))  # [E, D, F]
         self.w2 = nn.Parameter(torch.randn(cfg.experts, cfg.expert_hidden, cfg.dim) / math.sqrt(cfg.expert_hidden))  # [E, F, D]
 
@@ -142,7 +142,9 @@ class MoE(nn.Module):
         # Each expert's slots go to its highest-weighted tokens; unrouted tokens weigh 0.
         dispatch = torch.zeros(flat.shape[0], self.w1.shape[0], dtype=weights.dtype, device=flat.device)
         dispatch.scatter_(1, experts, weights)  # [N, E]
-        gate, token = dispatch.topk(self.capacity, dim=0)  # [C, E], [C, E]
+        n, e = dispatch.shape  # the tokens of this call (a rank's share under ZeRO)
+        slots = min(n, math.ceil(self.capacity * n * self.top_k / e))
+        gate, token = dispatch.topk(slots, dim=0)  # [C, E], [C, E]
         for e in range(self.w1.shape[0]):
             h = F.gelu(flat.index_select(0, token[:, e]) @ self.w1[e])  # [C, F]
             y = (h @ self.w2[e]) * gate[:, e].unsqueeze(-1)  # [C, D]

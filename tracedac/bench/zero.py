@@ -40,7 +40,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TextIO
 
 import torch
@@ -51,7 +51,7 @@ from .checkpointing import QUICK
 from .child import Progress, mib, target, target_lines, time_in_turns
 from .collectives import AllGatherCounter
 from .model import GPT, Config, make_batch
-from .zero_variants import LR, ZERO_VARIANTS, Trainer, ZeroVariant
+from .zero_variants import COMPILED_VARIANTS, LR, ZERO_VARIANTS, Trainer, ZeroVariant
 
 __all__ = ["NOT_DISTRIBUTED", "QUICK", "STEPS", "check_settings", "finish", "format_report", "init", "run"]
 
@@ -148,22 +148,34 @@ def _build(variants: list[ZeroVariant], base: GPT, per_rank: int, say) -> tuple[
     return trainers, status
 
 
-def _measure(cfg: Config, steps: int, say) -> tuple[dict[str, dict], dict[str, int]]:
+def _first_step(trainer: Trainer, batch, seed: int) -> tuple[float, int]:
+    """The untimed first step (a compiled row compiles in it): its seconds and dynamo's graph
+    breaks during it."""
+    from torch._dynamo.utils import counters
+
+    counters["graph_break"].clear()
+    start = time.perf_counter()
+    _step(trainer, batch, seed)
+    return time.perf_counter() - start, sum(counters["graph_break"].values())
+
+
+def _measure(cfg: Config, steps: int, say, variants) -> tuple[dict[str, dict], dict[str, int]]:
     """This rank's figures per variant (see module doc), and the model's parameters per unit;
     collectives in the same order on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     base = GPT.seeded(cfg)
     batch = _rank_batch(cfg, rank, world)
     doubled = tuple(torch.cat([t, t]) for t in batch)  # [2B / world, T]: the same tokens twice
-    trainers, status = _build(list(ZERO_VARIANTS), base, cfg.batch // world, say)
+    trainers, status = _build(list(variants), base, cfg.batch // world, say)
     found = {key: {"status": s} for key, s in status.items()}
+    say(f"timing: one untimed step per variant (compiles), then {steps} timed")
+    for key, trainer in trainers.items():
+        first_s, breaks = _first_step(trainer, batch, cfg.seed)
+        found[key].update(first_step_s=first_s, graph_breaks=breaks)
     # The libraries imported by now (dynamo, DeepSpeed) leave millions of objects; frozen,
     # the gc.collect() before every step and memory reading skips them (0.5 s -> ms).
     gc.collect()
     gc.freeze()
-    say(f"timing: one untimed step per variant, then {steps} timed")
-    for trainer in trainers.values():
-        _step(trainer, batch, cfg.seed)
     losses: dict[str, float] = {}
 
     def timed_step(key, rep):
@@ -195,22 +207,22 @@ def _combine(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
             rows = [r[key] for r in per_rank]
             row["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in rows))]
             row["loss"] = statistics.fmean(r["loss"] for r in rows)
-            for field in ("bytes_held", "bytes_held_doubled"):
+            for field in ("bytes_held", "bytes_held_doubled", "graph_breaks", "first_step_s"):
                 row[field] = max(r[field] for r in rows)
             row["bytes_fixed"] = max(2 * r["bytes_held"] - r["bytes_held_doubled"] for r in rows)
         out[key] = row
     return out
 
 
-def _rows(found: dict[str, dict], units: dict[str, int]) -> list[dict]:
+def _rows(found: dict[str, dict], units: dict[str, int], variants) -> list[dict]:
     smallest = min(units.values())
     reference = found.get("replicated", {}).get("loss")
     step = {k: statistics.median(r["step_times_s"]) for k, r in found.items() if r["status"] == "ok"}
     rows = []
-    for v in ZERO_VARIANTS:
+    for v in variants:
         row = {"key": v.key, "label": v.label, "library": v.library, "precision": v.precision, **found[v.key]}
         if row["status"] == "ok":
-            baseline = step.get(f"fsdp2_{v.precision}")
+            baseline = step.get(f"{v.baseline}_{v.precision}")
             row["step_s"] = step[v.key]
             row["step_vs_fsdp2"] = None if baseline is None else step[v.key] / baseline
             unit = row["smallest_unit_bytes"] = smallest * (2 if v.bf16 else 4)
@@ -218,6 +230,30 @@ def _rows(found: dict[str, dict], units: dict[str, int]) -> list[dict]:
             row["loss_diff"] = None if reference is None else abs(row["loss"] - reference)
         rows.append(row)
     return rows
+
+
+def _compiled_targets(rows: list[dict]) -> list[dict]:
+    """``--zero --compile``'s targets (issue 13)."""
+    by = {r["key"]: r for r in rows if r["status"] == "ok"}
+
+    def get(key, field):
+        return by[key].get(field) if key in by else None
+
+    def ratio(a, b, field):
+        x, y = get(a, field), get(b, field)
+        return None if x is None or not y else x / y
+
+    breaks = [get(k, "graph_breaks") for k in ("tracedacc_fp32", "tracedacc_bf16")]
+    return [
+        target("graph breaks, tracedac.zero compiled (checkpointed MoE)",
+               None if None in breaks else float(max(breaks)), 0, ""),
+        target("tracedac.zero compiled fp32 step / FSDP2 compiled fp32", get("tracedacc_fp32", "step_vs_fsdp2"), 1.00),
+        target("tracedac.zero compiled bf16 step / FSDP2 compiled bf16", get("tracedacc_bf16", "step_vs_fsdp2"), 1.00),
+        target("tracedac.zero compiled fp32 step / eager", ratio("tracedacc_fp32", "tracedac_fp32", "step_s"), 0.90),
+        target("tracedac.zero compiled bf16 step / eager", ratio("tracedacc_bf16", "tracedac_bf16", "step_s"), 0.90),
+        target("tracedac.zero compiled all-gather bytes, bf16 / fp32",
+               ratio("tracedacc_bf16", "tracedacc_fp32", "all_gather_bytes_total"), 0.55),
+    ]
 
 
 def _targets(rows: list[dict]) -> list[dict]:
@@ -243,14 +279,23 @@ def _targets(rows: list[dict]) -> list[dict]:
 
 
 def run(cfg: Config = Config(), *, steps: int = STEPS, quick: bool = False, progress: TextIO | None = sys.stderr,
-        system_malloc: bool = False) -> dict:
+        system_malloc: bool = False, compile: bool = False) -> dict:
     """Run the comparison on the initialized default process group; every rank gets the figures.
 
     ``quick`` swaps in ``checkpointing.QUICK`` (a tiny model) and at most two timed steps.
+    ``compile``: the compiled rows (``COMPILED_VARIANTS``) on the model with fixed-capacity
+    routing (``compiled.CAPACITY``: one graph per block needs static shapes) and no dropout.
     Only rank 0 writes progress lines to ``progress``.
     """
     if quick:
         cfg, steps = QUICK, min(steps, 2)
+    variants = ZERO_VARIANTS
+    if compile:
+        from .compiled import CAPACITY
+
+        # dropout off: a compiled graph draws other random numbers than eager, and the loss
+        # column compares every row with the eager replicated run
+        cfg, variants = replace(cfg, capacity=cfg.capacity or CAPACITY, dropout=0.0), COMPILED_VARIANTS
     rank, world = dist.get_rank(), dist.get_world_size()
     check_settings(cfg, steps, "cpu", world)
     say = Progress(progress if rank == 0 else None)
@@ -258,12 +303,12 @@ def run(cfg: Config = Config(), *, steps: int = STEPS, quick: bool = False, prog
     load = os.getloadavg()[0]
     steady = not system_malloc and probe.keep_freed_memory()
     try:
-        found, units = _measure(cfg, steps, say)
+        found, units = _measure(cfg, steps, say, variants)
     finally:
         gc.unfreeze()
     everyone = [None] * world
     dist.all_gather_object(everyone, found)
-    rows = _rows(_combine(everyone), units)
+    rows = _rows(_combine(everyone), units, variants)
     wall = time.perf_counter() - start
     say(f"finished in {wall:.1f}s")
     try:
@@ -283,8 +328,9 @@ def run(cfg: Config = Config(), *, steps: int = STEPS, quick: bool = False, prog
         "probe": probe.describe("cpu"),
         "timing_allocator": "glibc keeping freed memory (mallopt)" if steady else "default",
         "units": units,
+        "compiled": compile,
         "variants": rows,
-        "targets": _targets(rows),
+        "targets": _compiled_targets(rows) if compile else _targets(rows),
         "wall_s": wall,
         "load_average_before": load,
         "cpus": os.cpu_count(),
@@ -322,6 +368,8 @@ def _gathered(row: dict) -> str:
 def _row_cells(row: dict) -> list[str]:
     return [
         row["label"],
+        str(row["graph_breaks"]),
+        f"{row['first_step_s']:.1f} s",
         f"{row['step_s'] * 1e3:.0f} ms",
         "-" if row["step_vs_fsdp2"] is None else f"{row['step_vs_fsdp2']:.2f}x",
         mib(row["bytes_held"]),
@@ -336,14 +384,16 @@ def _row_cells(row: dict) -> list[str]:
 def format_report(result: dict) -> str:
     """The figures of ``run`` as a table and the targets with marks."""
     cfg = result["config"]
-    header = ["variant", "step (median)", "vs FSDP2", "held after fwd", "of it fixed", "full unit held?",
+    header = ["variant", "graph breaks", "first step", "step (median)",
+              "vs FSDP2 compiled" if result.get("compiled") else "vs FSDP2", "held after fwd", "of it fixed",
+              "full unit held?",
               "all-gather / step", f"loss after {result['steps']}", "|loss - replicated|"]
     cells = {r["key"]: _row_cells(r) for r in result["variants"] if r["status"] == "ok"}
     widths = [max(len(c[i]) for c in [header, *cells.values()]) for i in range(len(header))]
     widths[0] = max([widths[0]] + [len(r["label"]) for r in result["variants"]])
 
     def line(c: list[str]) -> str:
-        return "  ".join(x.ljust(w) if i in (0, 6) else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))).rstrip()
+        return "  ".join(x.ljust(w) if i in (0, 8) else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))).rstrip()
 
     def row_line(row: dict) -> str:
         if row["status"] != "ok":  # says why across the row: its message sets no column's width

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import io
 import logging
@@ -41,10 +42,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
 
 from .model import GPT, MoE
 
-__all__ = ["LR", "Trainer", "ZERO_VARIANTS", "ZeroVariant"]
+__all__ = ["COMPILED_VARIANTS", "LR", "Trainer", "ZERO_VARIANTS", "ZeroVariant"]
 
 LR = 1e-3
 
@@ -102,6 +104,48 @@ def _tracedac(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     return Trainer(model, _adamw(model))
 
 
+class _Autocast(Trainer):
+    """bf16 under compile: torch.autocast around the forward (``mixed_precision=`` spans two
+    hooks, which a compiled block cannot hold; the wire then carries fp32)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", torch.bfloat16):
+            return self.model(idx, targets)
+
+
+def _tracedac_checkpointed(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
+    """Eager: each block a tracedac region (recompute_all), then shard: the compiled row's
+    model, not compiled."""
+    import tracedac
+
+    for block in model.blocks:
+        tracedac.checkpoint(block)
+    return _tracedac(model, bf16, per_rank_batch)
+
+
+def _tracedac_compiled(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
+    """torchtitan's order: checkpoint each block, shard, compile each block (fullgraph)."""
+    import tracedac
+    from tracedac import zero
+
+    for block in model.blocks:
+        tracedac.checkpoint(block)
+    zero.shard(model)
+    for block in model.blocks:
+        block.compile(fullgraph=True)
+    return (_Autocast if bf16 else Trainer)(model, _adamw(model))
+
+
+def _fsdp2_compiled(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
+    """fully_shard, then each block's forward compiled with torch's checkpoint inside it
+    (FSDP2's hooks stay outside the compiled forward, as torchtitan has them)."""
+    trainer = _fsdp2(model, bf16, per_rank_batch)
+    for block in model.blocks:
+        forward = functools.partial(torch_checkpoint.checkpoint, block.forward, use_reentrant=False)
+        block.forward = torch.compile(forward, fullgraph=True)
+    return trainer
+
+
 def _fsdp2(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -153,6 +197,7 @@ class ZeroVariant:
     bf16: bool
     make: Callable[[GPT, bool, int], Trainer]
     unavailable: Callable[[], str | None] = lambda: None
+    baseline: str = "fsdp2"  # the row this one's step time is compared with: {baseline}_{precision}
 
     @property
     def precision(self) -> str:
@@ -170,4 +215,21 @@ ZERO_VARIANTS: tuple[ZeroVariant, ...] = (
     ZeroVariant("tracedac_bf16", "tracedac.zero bf16", "tracedac", True, _tracedac),
     ZeroVariant("fsdp2_bf16", "FSDP2 bf16", "fsdp2", True, _fsdp2),
     ZeroVariant("deepspeed_bf16", "DeepSpeed ZeRO-3 bf16", "deepspeed", True, _deepspeed, _no_deepspeed),
+)
+
+
+# ``--zero --compile``: the model with fixed-capacity routing (static shapes), every block
+# checkpointed; tracedac compiled against FSDP2 compiled, and against itself eager.
+COMPILED_VARIANTS: tuple[ZeroVariant, ...] = (
+    ZeroVariant("replicated", "replicated (all-reduce) fp32", "replicated", False, _replicated),
+    ZeroVariant("tracedac_fp32", "tracedac.zero eager fp32", "tracedac", False, _tracedac_checkpointed,
+                baseline="fsdp2c"),
+    ZeroVariant("tracedacc_fp32", "tracedac.zero compiled fp32", "tracedac", False, _tracedac_compiled,
+                baseline="fsdp2c"),
+    ZeroVariant("fsdp2c_fp32", "FSDP2 compiled fp32", "fsdp2", False, _fsdp2_compiled, baseline="fsdp2c"),
+    ZeroVariant("tracedac_bf16", "tracedac.zero eager bf16", "tracedac", True, _tracedac_checkpointed,
+                baseline="fsdp2c"),
+    ZeroVariant("tracedacc_bf16", "tracedac.zero compiled bf16 (autocast)", "tracedac", True, _tracedac_compiled,
+                baseline="fsdp2c"),
+    ZeroVariant("fsdp2c_bf16", "FSDP2 compiled bf16", "fsdp2", True, _fsdp2_compiled, baseline="fsdp2c"),
 )

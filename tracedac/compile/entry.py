@@ -10,7 +10,8 @@ and a mark.
   ``recompute_all`` saved recompute_all's 104 elements, not its own 192). The mark also
   starts a new region call, so two back-to-back calls of one region are planned apart.
   The pass removes the marks before the partitioner runs; dead-code elimination keeps
-  them until then (``has_side_effect``).
+  them until then (``has_side_effect``). Only ``torch.compile`` gets them: an exported
+  program or a ``make_fx`` graph has no cache to confuse and should not need tracedac to load.
 """
 
 from __future__ import annotations
@@ -44,5 +45,6 @@ def traced_region(fn, args, kwargs, policy, name):
     """Call ``fn`` with every op it traces marked as region ``(policy, name)``."""
     key = key_for(policy, name)
     with fx_traceback.annotate({ANNOTATION: key}):
-        MARK(key)
+        if torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting():
+            MARK(key)  # (an exported program or a make_fx graph keeps no op of ours to load)
         return fn(*args, **kwargs)
