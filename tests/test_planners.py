@@ -368,3 +368,23 @@ def test_trade_off_plots_the_frontier_and_the_per_op_policies():
     assert ax.get_xlabel().startswith("bytes kept")
     assert {t.get_text() for t in ax.texts} == {"recompute_all()", "save_matmuls()", "save_all()"}
     assert len(ax.lines[0].get_xdata()) == len(rows)
+
+
+def test_closure_walks_as_the_replay_plan_does_generator_state_included():
+    """One walk (graph.walk) for both: a dropout drawn right after another replays from the
+    generator state the first one's replay leaves, so rebuilding the second alone runs the
+    first too, in the planners' price as in the replay."""
+
+    def f(x, y):
+        return F.dropout(x.sin(), 0.5).cos() + F.dropout(y.exp(), 0.5).cos()
+
+    regions, _ = record(f, (torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)), {},
+                        policies.recompute_all())
+    p = _Region(regions[0])
+    draws = [n.index for n in p.graph.nodes if n.rng is not None]
+    assert len(draws) == 2 and p.graph.nodes[draws[1]].rng[1] is None  # the second follows the first
+    second = p.graph.nodes[draws[1]]
+    wanted = {(m.group, m.state + 1) for m in second.tensor_args}  # its mask, after the draw
+    run = closure(p.graph, wanted, set())
+    assert draws[0] in run and draws[1] in run
+    assert run == tracedac.replay.plan(p.graph, wanted).nodes

@@ -268,6 +268,61 @@ class RegionGraph:
         return f"RegionGraph({self.name!r}, {len(self.nodes)} nodes, {len(self.groups)} storages)"
 
 
+def walk(graph: RegionGraph, wanted, start_of, visit=None) -> tuple[dict, list, dict]:
+    """The nodes replay runs to produce every (group id, state) in ``wanted``: one walk for
+    the replay plan (``replay.plan``) and the planners' hypothetical ones (``planners.closure``),
+    so the two cannot disagree on what a replay runs.
+
+    ``start_of(group, lowest)`` says where a group's replay starts, given the lowest state
+    asked of it: ``(kind, state)``, ``("create", 0)`` to run its creator (or raises). From
+    there its writes run up to the highest state asked. A chosen node asks for its tensor
+    arguments, and a random node whose generator state is its predecessor's (``rng[1]`` is
+    None) for that predecessor. ``visit(node)`` sees each node before it is chosen (it may
+    raise). Returns (group -> start, the chosen node indices in order, node -> its tensor
+    arguments)."""
+    groups, nodes = graph.groups, graph.nodes
+    needs: dict[int, set] = {}
+    starts: dict[int, tuple] = {}
+    chosen: set[int] = set()
+    work = list(wanted)  # (group id, state) still to provide
+    to_run: list = []  # nodes chosen whose inputs are still to be asked for
+    reads: dict[int, tuple] = {}
+    while work or to_run:
+        while to_run:
+            node = to_run.pop()
+            if node.index in chosen:
+                continue
+            if visit is not None:
+                visit(node)
+            chosen.add(node.index)
+            args = reads[node.index] = node.tensor_args
+            work.extend([(m.group, m.state) for m in args])
+            rng = node.rng  # (generator, state or None, predecessor); ("compiled",) in a joint graph
+            if rng is not None and len(rng) == 3 and rng[1] is None:
+                to_run.append(nodes[rng[2]])  # its replay leaves the generator where this one starts
+        if not work:
+            break
+        gid, state = work.pop()
+        states = needs.get(gid)
+        if states is None:
+            states = needs[gid] = {state}
+            lowest = highest = state
+        elif state in states:
+            continue
+        else:
+            states.add(state)
+            lowest, highest = min(states), max(states)
+        g = groups[gid]
+        start = start_of(g, lowest)
+        if starts.get(gid) != start:
+            starts[gid] = start
+            if start[0] == "create":
+                to_run.append(g.creator)
+        if highest > start[1]:
+            to_run.extend(g.mutations[start[1]:highest])
+    return starts, sorted(chosen), reads
+
+
 def _shape_name(t) -> str:
     return f"a tensor of shape {list(t.shape)} ({t.dtype})"
 

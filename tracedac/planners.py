@@ -33,7 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .decisions import MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE
 from .errors import CheckpointError
-from .graph import Node, RegionGraph, human_bytes
+from .graph import Node, RegionGraph, human_bytes, walk
 
 __all__ = [
     "MemoryBudget", "MinCut", "Planner", "Problem", "bundles_of", "closure", "costs", "knapsack", "min_cut_keep", "node_cost", "problem",
@@ -81,30 +81,15 @@ def closure(graph: RegionGraph, wanted, kept) -> list[int]:
     """Indices of the nodes replay runs to rebuild ``wanted`` ((group, state) pairs) when the
     groups in ``kept`` are held in their final state. Outside storages are free: the final
     state is the tensor itself, an earlier one is rebuilt from the copy taken before the
-    region first wrote it. Mirrors ``replay.plan``, on a hypothetical choice."""
-    groups = graph.groups
-    needs: dict[int, set] = {}
-    chosen: set[int] = set()
-    work = list(wanted)
-    while work:
-        gid, state = work.pop()
-        states = needs.setdefault(gid, set())
-        if state in states:
-            continue
-        states.add(state)
-        g = groups[gid]
+    region first wrote it. The replay plan's own walk (``graph.walk``), on a hypothetical choice."""
+
+    def start_of(g, lowest: int) -> tuple:
         final = len(g.mutations)
-        lowest, highest = min(states), max(states)
-        if lowest == final and (gid in kept or g.creator is None):
-            continue  # held, or an outside tensor as it is
-        run = list(g.mutations[:highest])
-        if g.creator is not None:
-            run.append(g.creator)
-        for node in run:
-            if node.index not in chosen:
-                chosen.add(node.index)
-                work.extend((m.group, m.state) for m in node.tensor_args)
-    return sorted(chosen)
+        if lowest == final and (g.id in kept or g.creator is None):
+            return ("kept", final)  # held, or an outside tensor as it is
+        return ("snapshot", 0) if g.creator is None else ("create", 0)
+
+    return walk(graph, wanted, start_of)[1]
 
 
 def bundles_of(graph: RegionGraph, items: list[int]) -> list[list[int]]:

@@ -28,7 +28,7 @@ import torch
 
 from . import replay_compiled as compiled
 from .errors import CheckpointError
-from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes
+from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes, walk
 
 __all__ = ["Slot", "fill_fresh_with_nan", "plan", "run_pass"]
 
@@ -216,62 +216,32 @@ class Plan:
 
 def plan(graph: RegionGraph, wanted) -> Plan:
     """What to run to produce every (group id, state) in ``wanted``."""
-    groups, nodes = graph.groups, graph.nodes
-    needs: dict[int, set] = {}
-    starts: dict[int, tuple] = {}
-    chosen: set[int] = set()
-    work = list(wanted)  # (group id, state) still to provide
-    to_run: list = []  # nodes chosen whose inputs are still to be asked for
-    reads: dict[int, tuple] = {}  # chosen node -> its tensor arguments
     stale = None  # a kept storage the program modified since, if planning had to go around one
 
-    while work or to_run:
-        while to_run:
-            node = to_run.pop()
-            if node.index in chosen:
-                continue
-            if not node.replayable:
-                if stale is not None:
-                    raise _kept_changed_error(graph, stale, stale.held._version, stale.version)
-                raise _Forgotten(node)
-            chosen.add(node.index)
-            args = reads[node.index] = node.tensor_args
-            work.extend([(m.group, m.state) for m in args])
-            if node.rng is not None and node.rng[1] is None:
-                to_run.append(nodes[node.rng[2]])  # its replay leaves the generator where this one starts
-        if not work:
-            break
-        gid, state = work.pop()
-        states = needs.get(gid)
-        if states is None:
-            states = needs[gid] = {state}
-            lowest = highest = state
-        elif state in states:
-            continue
-        else:
-            states.add(state)
-            lowest, highest = min(states), max(states)
-        g = groups[gid]
+    def refuse(error):
+        if stale is not None:
+            raise _kept_changed_error(graph, stale, stale.held._version, stale.version)
+        raise error
+
+    def start_of(g: Group, lowest: int) -> tuple:
+        nonlocal stale
         kind = _live(g) if lowest == len(g.mutations) else None
         if kind is None and g.held is not None and g.held._version != g.version:
             stale = stale or g  # kept, then modified by the program: must be rebuilt
         if kind is not None:
-            start = (kind, lowest)
-        elif g.creator is None and g.snapshot is not None:
-            start = ("snapshot", 0)
-        elif g.creator is None:
-            if stale is not None:
-                raise _kept_changed_error(graph, stale, stale.held._version, stale.version)
-            raise _unavailable(graph, g)
-        else:
-            start = ("create", 0)
-        if starts.get(gid) != start:
-            starts[gid] = start
-            if start[0] == "create":
-                to_run.append(g.creator)
-        if highest > start[1]:
-            to_run.extend(g.mutations[start[1]:highest])
-    return Plan(starts, sorted(chosen), frozenset(wanted), reads)
+            return (kind, lowest)
+        if g.creator is None and g.snapshot is not None:
+            return ("snapshot", 0)
+        if g.creator is None:
+            refuse(_unavailable(graph, g))
+        return ("create", 0)
+
+    def visit(node) -> None:
+        if not node.replayable:
+            refuse(_Forgotten(node))
+
+    starts, chosen, reads = walk(graph, wanted, start_of, visit)
+    return Plan(starts, chosen, frozenset(wanted), reads)
 
 
 # --- running -----------------------------------------------------------------------------
