@@ -30,6 +30,13 @@ every step a seed shared by all variants and ranks, so dropout draws alike. Figu
 
 Memory and all-gather counts come after the timed steps, so they see steady state and do
 not change the losses reported.
+
+``--zero --compile`` runs ``COMPILED_VARIANTS`` instead: every block checkpointed (tracedac
+regions; torch's checkpoint inside FSDP2's compiled forwards), tracedac.zero eager and
+compiled per block with ``fullgraph=True``, FSDP2 compiled, fp32 and bf16, on the model
+with fixed-capacity routing and no dropout; step ratios are to FSDP2 compiled, and each
+row's first step (where it compiles) and its graph breaks are reported. The all-gather
+counter runs inside compiled graphs (``ignore_compile_internals``).
 """
 
 from __future__ import annotations

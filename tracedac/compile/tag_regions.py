@@ -125,7 +125,7 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later: set =
         # chains and replays the chains, so what it saves suffices for backward at a replay
         # of cheap ops only. Choosing among every value backward reads instead (eager's
         # measure) let the knapsack spend the bytes on cheap values and replay matmuls:
-        # measured on the bench's MoE at memory_budget(1.0), 0.39x the bytes of no
+        # measured on the bench's --quick MoE at memory_budget(1.0), 0.39x the bytes of no
         # checkpoint and 0.65 MFLOP of matmuls replayed, where torch replayed none.
         base = set()
         for n, m in view.values.items():  # a saved view or getitem stands for its base's storage
