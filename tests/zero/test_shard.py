@@ -338,3 +338,42 @@ def test_load_state_dict_with_assign_into_a_model_on_meta_says_to_call_to_empty(
     m.to_empty(device="cpu")
     set_model_state_dict(m, dict(sd), options=options)
     assert all(torch.equal(m.get_parameter(k).full_tensor(), v) for k, v in sd.items())
+
+
+class Skipping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x, skip=None):
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = layer(x)
+        return x
+
+
+def test_a_prefetched_gather_nobody_consumes_completes_when_its_pass_ends(world1):
+    """The order changes (a layer skipped): the gather prefetched for it is waited for and
+    dropped when the forward (root post-hook) or the backward (engine callback) ends, not left
+    in flight until the next pass; gradients still equal the unsharded model's."""
+    torch.manual_seed(0)
+    ref = Skipping()
+    m = zero.shard(Skipping())
+    zero.load_full_state_dict(m, ref.state_dict())
+    x = torch.randn(3, 4)
+    z = m._tracedac_zero
+    m(x).sum().backward()  # learns the orders: forward 0, 1, 2; backward 2, 1, 0
+
+    def in_flight():
+        return [g.name for g in z.all_groups if g.pending is not None] + [g.name for g in z.state.inflight]
+
+    with torch.no_grad():
+        m(x, skip=2)  # layer 1's gather prefetched layer 2's
+    assert in_flight() == []
+    for p in m.parameters():
+        p.grad = None
+    m(x, skip=0).sum().backward()  # backward: 2 prefetches 1, 1 prefetches 0, never used
+    assert in_flight() == []
+    ref(x, skip=0).sum().backward()
+    torch.testing.assert_close(m.layers[1].weight.grad.full_tensor(), ref.layers[1].weight.grad)
+    assert m.layers[0].weight.grad is None

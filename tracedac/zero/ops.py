@@ -65,7 +65,7 @@ class Prefetch:
     optimizer step or a load.
     """
 
-    __slots__ = ("enabled", "backward", "current", "learned", "inflight")
+    __slots__ = ("enabled", "backward", "current", "learned", "inflight", "queued")
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -73,11 +73,19 @@ class Prefetch:
         self.current: list = []
         self.learned: dict = {}  # backward: bool -> the order of that kind of pass, last time
         self.inflight: list = []  # groups with a prefetched gather started in this pass
+        self.queued = False  # a drain is queued for the end of the running backward
 
     def begin(self, backward: bool) -> None:
         if self.backward is not None:
             self.learned[self.backward] = self.current
         self.backward, self.current = backward, []
+        self.drain()
+
+    def drain(self) -> None:
+        """Wait for and drop every prefetched gather nobody consumed: at the end of a forward
+        (the root's post-hook) and of a backward (an engine callback), so none stays in flight
+        past its pass (into an optimizer step, a load, or ``destroy_process_group``)."""
+        self.queued = False
         inflight, self.inflight = self.inflight, []
         for group in inflight:
             pending, group.pending = group.pending, None
@@ -244,10 +252,15 @@ class FlatGroup:
         return to_param_major(pending.out, self.slices, self.world)
 
     def _prefetch_next(self) -> None:
-        nxt = self.state.after(self, torch._C._current_graph_task_id() != -1)
+        backward = torch._C._current_graph_task_id() != -1
+        state = self.state
+        nxt = state.after(self, backward)
         if nxt is not None and nxt.pending is None:
             nxt.pending = nxt.start(nxt.leaf)
-            self.state.inflight.append(nxt)
+            state.inflight.append(nxt)
+            if backward and not state.queued:
+                state.queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(state.drain)
 
     def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
         self.agree("reduce-scatter")

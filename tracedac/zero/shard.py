@@ -95,6 +95,8 @@ class Unit:
     def post(self, module, args, output):
         if not tracing(args):
             self.exit()
+            if self.state is not None and not self.active:
+                self.state.drain()  # the model's forward ended: a prefetch nobody used completes
 
     def enter(self) -> None:
         """Gather the unit's groups and shadow each parameter attribute with its full view."""
