@@ -303,12 +303,12 @@ def run(cfg: Config = Config(), *, steps: int = STEPS, quick: bool = False, prog
         # dropout off: a compiled graph draws other random numbers than eager, and the loss
         # column compares every row with the eager replicated run
         cfg, variants = replace(cfg, capacity=cfg.capacity or CAPACITY, dropout=0.0), COMPILED_VARIANTS
-        import torch._dynamo
+        from torch import _dynamo  # (``import torch._dynamo`` would make ``torch`` local here)
 
         # Each compiled block instance is a cache entry of one code object (Module._call_impl),
         # per variant and per batch shape (the memory reading doubles the batch): more than
         # dynamo's default of 8, which fullgraph=True turns into an error.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
     rank, world = dist.get_rank(), dist.get_world_size()
     check_settings(cfg, steps, "cpu", world)
     say = Progress(progress if rank == 0 else None)
