@@ -403,3 +403,27 @@ def test_batch_norm_running_statistics_update_once_compiled(policy):
     assert int(ckpt[0].bn.num_batches_tracked) == 2
     # and the regions did change what is saved: backward replays the normalisation
     assert region_bytes(ckpt, torch.randn(8, 16)) < region_bytes(plain, torch.randn(8, 16))
+
+
+def test_a_budget_below_what_must_save_names_the_bytes_it_measures_under_compile():
+    """MUST_SAVE bytes above a budget: the error names the MUST results, the budget's bytes and
+    what they are a fraction of (what the region keeps compiled without checkpointing)."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = tracedac.name(torch.relu(self.l1(x)), "a")
+            return self.l2(h).sin().cos()
+
+    m = tracedac.checkpoint(Two(), policy=policies.either(policies.save_names("a"), policies.memory_budget(0.01)))
+    c = torch.compile(m, backend=BACKEND, fullgraph=True)
+    with pytest.raises(Exception) as err:
+        c(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    cause = getattr(err.value, "inner_exception", err.value)  # dynamo wraps a backend's error
+    assert isinstance(cause, CheckpointError), repr(err.value)
+    assert "must keep 8.00 KiB (MUST_SAVE results of aten.relu.default)" in str(cause)
+    assert "allows (163 B: 0.01 of the 16.00 KiB kept without checkpointing)" in str(cause)
+    assert "PREFER_SAVE" in str(cause)

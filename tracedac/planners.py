@@ -361,7 +361,12 @@ class MemoryBudget(Planner):
         return self.budget
 
     def choose(self, p: Problem) -> set[int]:
-        return self.prepare(p)(max(0, self.bytes_for(p.full) - p.reserved), self)
+        limit = max(0, self.bytes_for(p.full) - p.reserved)
+        of = f"{self.budget} of the {human_bytes(p.full)} kept without checkpointing" \
+            if isinstance(self.budget, float) else f"{human_bytes(self.budget)}"
+        if p.reserved:
+            of += f", less {human_bytes(p.reserved)} reserved for values kept whatever the plan"
+        return self.prepare(p)(limit, self, of)
 
     def prepare(self, p: Problem):
         """The knapsack for this problem, priced once: a function of the byte limit (and the
@@ -375,13 +380,14 @@ class MemoryBudget(Planner):
         weights = [sum(groups[g].nbytes for g in b if g not in forced) for b in free]
         values = costs(graph, free, self.cost, items)
 
-        def solve(limit: int, planner) -> set[int]:
+        def solve(limit: int, planner, of: str = "") -> set[int]:
             if forced_bytes > limit:
                 names = ", ".join(sorted({groups[g].node.name for g in forced}))
                 raise CheckpointError(
                     f"region {graph.name!r}: the policy must keep {human_bytes(forced_bytes)} (MUST_SAVE "
-                    f"results of {names}), more than {planner!r} allows ({human_bytes(limit)}). Raise the "
-                    "budget, or make those decisions PREFER_SAVE so the budget may drop them."
+                    f"results of {names}), more than {planner!r} allows ({human_bytes(limit)}"
+                    f"{': ' + of if of else ''}). Raise the budget, or make those decisions "
+                    "PREFER_SAVE so the budget may drop them."
                 )
             chosen, _ = knapsack(weights, values, limit - forced_bytes)
             return {g for i in chosen for g in free[i]} | forced
