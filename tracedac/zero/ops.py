@@ -61,8 +61,10 @@ class Prefetch:
     parameter's group is gathered by each unit using it): positions, not links between
     groups, so the last gather of a pass never starts one nobody will consume. A gather
     started but not consumed in its pass (the order changed) is waited for and dropped when
-    the next pass begins: no prefetched buffer outlives the pass, so none can predate an
-    optimizer step or a load.
+    the pass ends (``drain``: the root unit's forward post-hook; an autograd engine callback
+    at the end of a backward), or at the latest when the next pass begins: no prefetched
+    buffer outlives the pass, so none can predate an optimizer step, a load, or the process
+    group's destruction.
     """
 
     __slots__ = ("enabled", "backward", "current", "learned", "inflight", "queued")
