@@ -48,8 +48,9 @@ class Config:
     seed: int = 0
     # None: each expert takes the tokens routed to it (data-dependent shapes, as in real MoE
     # layers). A factor: fixed-capacity routing, each expert takes exactly
-    # ceil(capacity * tokens * top_k / experts) slots (tokens over it are dropped, empty slots
-    # carry weight 0): static shapes, which torch.compile needs for one graph (bench --compile).
+    # ceil(capacity * tokens * top_k / experts) slots of the call's tokens (a rank's share under
+    # ZeRO); tokens over it are dropped, empty slots carry weight 0: static shapes, which
+    # torch.compile needs for one graph (bench --compile).
     capacity: float | None = None
 
     @property
