@@ -145,6 +145,24 @@ def test_back_to_back_calls_of_one_region_are_two_region_calls():
     assert not any("tracedac.region" in str(n.target) for g in (part.fw, part.bw) for n in g.graph.nodes)
 
 
+def test_a_higher_order_op_in_a_region_gives_exact_gradients_and_a_warning():
+    """``nested_compile_region`` inside a region traces to ``invoke_subgraph``: one node whose
+    inside no policy sees. Exact gradients, and a warning that says so (once per region and op)."""
+
+    @torch.compiler.nested_compile_region
+    def inner(x, w):
+        return (x @ w).relu()
+
+    w = torch.randn(16, 16, requires_grad=True)
+    f = tracedac.checkpoint(lambda x: inner(inner(x, w).sin(), w).cos().sum(), policy=policies.save_matmuls())
+    x = X.clone().requires_grad_()
+    with pytest.warns(UserWarning, match="contains invoke_subgraph, a higher-order op: its policy"):
+        got = torch.autograd.grad(torch.compile(f, backend=BACKEND, fullgraph=True)(x), (x, w))
+    want = torch.autograd.grad(inner(inner(x, w).sin(), w).cos().sum(), (x, w))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_torchtitan_order_checkpoint_each_block_then_compile_each_block():
     from torch._dynamo.utils import counters
 

@@ -22,6 +22,7 @@ functionalizes recomputed RNG ops). Running it twice gives the same tags.
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -106,6 +107,26 @@ def untagged_saved(gm: torch.fx.GraphModule) -> set | None:
     except Exception:  # noqa: BLE001 (an estimate: the caller falls back to the min cut)
         return None
     return {n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")}
+
+
+_WARNED: set = set()
+
+
+def _warn_opaque(key: str, nodes: list) -> None:
+    """A higher-order op in a region (``invoke_subgraph`` from ``nested_compile_region``, a
+    ``flex_attention``...) is one node whose inside no policy sees: say so, once per region
+    and op. Gradients stay exact; what it saves is the partitioner's default (a
+    PREFER_RECOMPUTE tag: usually replayed whole in backward)."""
+    for n in nodes:
+        if isinstance(n.target, torch._ops.HigherOrderOperator):
+            name = getattr(n.target, "_name", None) or str(n.target)
+            if (key, name) not in _WARNED:
+                _WARNED.add((key, name))
+                warnings.warn(
+                    f"tracedac: region {key.split('|')[0]!r} contains {name}, a higher-order op: its policy "
+                    f"({key.split('|', 1)[-1]}) decides nothing inside it, and the compiled backward replays "
+                    "it whole. Gradients are exact. To apply the policy inside, call the function without "
+                    "nested_compile_region (or checkpoint inside it).", stacklevel=2)
 
 
 def _decide(view, policy, wanted: set, baseline: set | None = None, later: set = frozenset()) -> None:
@@ -204,6 +225,7 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if spec is None:
             raise AssertionError(f"joint graph names region {key!r}, which no traced region registered")
         policy, name = spec
+        _warn_opaque(key, nodes)
         view = build(name, policy, nodes, labels)
         wanted = set()
         for n in nodes:
