@@ -60,6 +60,30 @@ class Slice:
         return full[rank * per_rank:rank * per_rank + self.local_shape[0]]
 
 
+class FullViews(torch.autograd.Function):
+    """Every parameter's full view of a param-major gathered buffer, as one autograd node.
+
+    Sliced one by one, each view's backward (``slice_backward``) allocates a zero buffer the
+    size of the whole unit and the engine adds those up: one full-size buffer and one
+    full-size add per parameter. Here backward writes each parameter's gradient into one
+    zero buffer: one allocation per unit. (Measured on the bench's MoE: the per-parameter
+    slicing made tracedac.zero's backward the largest part of its gap to FSDP2.)"""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, world: int, slices: tuple):
+        ctx.world, ctx.slices, ctx.numel = world, slices, padded.numel()
+        return tuple(s.full(padded, world) for s in slices)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        first = next(g for g in grads if g is not None)
+        out = first.new_zeros(ctx.numel)
+        for s, g in zip(ctx.slices, grads):
+            if g is not None:
+                s.full(out, ctx.world).copy_(g)
+        return out, None, None
+
+
 def make_slices(fqns: list, shapes: list, world: int, rank: int) -> tuple[list[Slice], int]:
     """The slices of a group's parameters and the size ``S`` of a rank's flat buffer."""
     slices, offset = [], 0

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint import current_region, module_matcher, tracing
 from ..compile.install import install_for_gather
 from .errors import ZeroError
-from .layout import make_slices, spec_for
+from .layout import FullViews, make_slices, spec_for
 from .ops import FlatGroup, Gathered, Handle, Prefetch, handle_for
 
 __all__ = ["MixedPrecision", "ZeroModule", "shard", "sharded"]
@@ -107,9 +107,9 @@ class Unit:
                 "Run forward outside the with block."
             )
         gathered = [Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key)) for g in self.groups]
+        views = [FullViews.apply(g.full, g.flat.world, tuple(g.flat.slices)) for g in gathered]
         for s in self.slots:
-            g = gathered[s.group]
-            s.module.__dict__[s.attr] = g.flat.slices[s.piece].full(g.full, g.flat.world)
+            s.module.__dict__[s.attr] = views[s.group][s.piece]
         hooks = None
         if (torch.is_grad_enabled() and current_region() is None
                 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
