@@ -163,6 +163,27 @@ def test_a_higher_order_op_in_a_region_gives_exact_gradients_and_a_warning():
         torch.testing.assert_close(a, b)
 
 
+def test_split_results_are_views_of_the_projection_a_full_budget_keeps():
+    """``split`` returns views of its input: in a compiled region's graph they share the QKV
+    projection's storage, so memory_budget(1.0) keeps the projection and backward does not
+    replay it. (Taken for new storages, the split results were kept instead, which the
+    partitioner cannot save as views: it replayed the projection.) The bench's attention block."""
+    from tracedac.bench.compiled import QUICK
+    from tracedac.bench.model import GPT, make_batch
+
+    m = GPT.seeded(QUICK)
+    for blk in m.blocks:
+        tracedac.checkpoint(blk, policy=policies.memory_budget(1.0))
+    (part,) = partition(m, *make_batch(QUICK))
+
+    def feeds_split(n, depth=3):
+        return depth > 0 and any(u.target is torch.ops.aten.split.Tensor or feeds_split(u, depth - 1) for u in n.users)
+
+    qkv = {n.name for n in part.fw.graph.nodes if n.target is torch.ops.aten.addmm.default and feeds_split(n)}
+    assert len(qkv) == QUICK.layers
+    assert not qkv & {n.name for n in part.replayed}
+
+
 def test_torchtitan_order_checkpoint_each_block_then_compile_each_block():
     from torch._dynamo.utils import counters
 
