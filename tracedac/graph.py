@@ -100,7 +100,8 @@ class Node:
         self.writes = writes  # group ids whose storage this op writes
         self.creates = creates  # output indices whose storage this op allocated
         # random ops: (generator, its state before the op or None, the random node whose
-        # replay leaves the generator in that state, or None)
+        # replay leaves the generator in that state, or None); in a compiled region's graph
+        # (None, "compiled", None): the compiler keeps the state, no predecessor to replay
         self.rng = rng
         self.labels: frozenset[str] = _NO_LABELS
         self.module_path = module_path
@@ -297,8 +298,8 @@ def walk(graph: RegionGraph, wanted, start_of, visit=None) -> tuple[dict, list, 
             chosen.add(node.index)
             args = reads[node.index] = node.tensor_args
             work.extend([(m.group, m.state) for m in args])
-            rng = node.rng  # (generator, state or None, predecessor); ("compiled",) in a joint graph
-            if rng is not None and len(rng) == 3 and rng[1] is None:
+            rng = node.rng
+            if rng is not None and rng[1] is None:
                 to_run.append(nodes[rng[2]])  # its replay leaves the generator where this one starts
         if not work:
             break

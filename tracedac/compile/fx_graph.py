@@ -103,7 +103,7 @@ class RegionView:
         args = tuple(self._arg(a) for a in n.args)
         kwargs = {k: self._arg(v) for k, v in n.kwargs.items()}
         random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-        node = Node(len(self.graph.nodes), op, args, kwargs, (), (), (), ("compiled",) if random else None,
+        node = Node(len(self.graph.nodes), op, args, kwargs, (), (), (), _COMPILED_RNG if random else None,
                     module_path(n), n.meta.get("stack_trace"))
         node.labels = labels
         outputs, creates = [], []
@@ -119,6 +119,9 @@ class RegionView:
         self.values[n] = node.outputs[0] if isinstance(val, torch.Tensor) else node.outputs
         self.graph.nodes.append(node)
         self.fx_of[node.index] = n
+
+
+_COMPILED_RNG = (None, "compiled", None)  # graph.Node.rng's shape: the compiler keeps the state
 
 
 def build(name: str, policy, nodes, labels) -> RegionView:

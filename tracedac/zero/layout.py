@@ -72,11 +72,14 @@ class FullViews(torch.autograd.Function):
     @staticmethod
     def forward(ctx, padded: torch.Tensor, world: int, slices: tuple):
         ctx.world, ctx.slices, ctx.numel = world, slices, padded.numel()
+        ctx.set_materialize_grads(False)  # a parameter this forward did not use: None, not zeros
         return tuple(s.full(padded, world) for s in slices)
 
     @staticmethod
     def backward(ctx, *grads):
-        first = next(g for g in grads if g is not None)
+        first = next((g for g in grads if g is not None), None)
+        if first is None:
+            return None, None, None
         out = first.new_zeros(ctx.numel)
         for s, g in zip(ctx.slices, grads):
             if g is not None:
