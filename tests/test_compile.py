@@ -268,6 +268,65 @@ def test_compiled_function_inside_an_eager_region_gives_eager_gradients_and_writ
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _counting_backend(runs):
+    """A backend that runs dynamo's graph as is and counts the calls of compiled code."""
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return gm(*args)
+
+        return run
+
+    return backend
+
+
+@pytest.mark.parametrize("first_call", ["outside", "inside"])
+def test_a_compiled_function_called_in_a_region_stays_compiled_for_later_calls(first_call):
+    """Inside an eager region a compiled function runs as plain Python (every op recorded);
+    dynamo must not mark its code skipped, or it never runs compiled again. Whether it was
+    compiled before the region or is first called inside one."""
+    runs = []
+
+    @torch.compile(backend=_counting_backend(runs), fullgraph=True)
+    def scaled(t):
+        return t * 2 + 1
+
+    w = torch.randn(5, requires_grad=True)
+    if first_call == "outside":
+        scaled(torch.ones(5))
+    before = len(runs)
+    x = torch.randn(5, requires_grad=True)
+    got = torch.autograd.grad(tracedac.checkpoint(lambda x: (scaled(x) * w).sin().sum())(x), (x, w))
+    assert len(runs) == before  # plain Python inside the region
+    want = torch.autograd.grad(((x * 2 + 1) * w).sin().sum(), (x, w))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for n in range(1, 3):
+        torch.testing.assert_close(scaled(torch.ones(5)), torch.full((5,), 3.0))
+        assert len(runs) == before + n  # compiled outside, every later call
+
+
+def test_a_region_entered_from_a_graph_broken_compiled_frame_gives_eager_gradients():
+    """A region dynamo cannot trace whole (a graph break inside) runs its recorder under the
+    compiled frame's callback; turning dynamo off there must leave gradients exact."""
+    w = torch.randn(5, requires_grad=True)
+
+    def f(x):
+        y = (x * w).sin()
+        torch._dynamo.graph_break()
+        return (y * w).cos().sum()
+
+    region = tracedac.checkpoint(f)
+    step = torch.compile(lambda x: region(x) * 2, backend="aot_eager")
+    x = torch.randn(5, requires_grad=True)
+    for _ in range(2):
+        got = torch.autograd.grad(step(x), (x, w))
+        want = torch.autograd.grad(f(x) * 2, (x, w))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_inductor_caches_never_serve_one_policy_the_partition_of_another():
     """Compiler caches hash a graph's code, not ``node.meta``: the region's key must be in the
     code (``tracedac::region``), or a model compiled again after the same code was compiled

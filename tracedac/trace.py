@@ -222,6 +222,34 @@ def _timed(func, args, kwargs) -> tuple:
 # --- the mode ------------------------------------------------------------------------------
 
 
+def _dynamo_off():
+    """Run what follows with dynamo off, as ``torch.compiler.set_stance("force_eager")``; the
+    state to hand ``_dynamo_restore``.
+
+    A ``torch.compile``d function called inside a region must run as plain Python (see
+    ``TracerMode.ignore_compile_internals``). Left to itself, dynamo meets the frame under a
+    dispatch mode, declines to compile it and marks its code skipped for the rest of the
+    process: the function would never run compiled again, even outside regions. With the
+    stance forced to eager and no frame callback (a region entered from a graph-broken
+    compiled frame has one), dynamo never sees the frame, so nothing is marked.
+    Nothing to do when dynamo was never imported: nothing can have been compiled.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return None
+    callback = torch._C._dynamo.eval_frame.set_eval_frame(None)
+    stance = eval_frame._set_stance(eval_frame.DynamoStance(stance="force_eager"))
+    return eval_frame, callback, stance
+
+
+def _dynamo_restore(state) -> None:
+    if state is None:
+        return
+    eval_frame, callback, stance = state
+    eval_frame._set_stance(stance)
+    torch._C._dynamo.eval_frame.set_eval_frame(callback)
+
+
 class TracerMode(TorchDispatchMode):
     """Records one region call into ``graph``.
 
@@ -240,13 +268,22 @@ class TracerMode(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        # False: dynamo runs a compiled function called inside a region as plain Python, so
-        # every op it runs is recorded. True would keep it compiled, but inductor's fused
-        # kernels write tensors without dispatching an op: an in-place write of a tensor the
-        # region made (``m.add_(1)`` in the compiled function) would go unrecorded and replay
-        # would rebuild the value before it, silently (tests/test_compile.py). The price:
-        # dynamo then skips that function's code for the rest of the process.
+        # False: compiled code never runs under the recorder. Inductor's fused kernels write
+        # tensors without dispatching an op: an in-place write of a tensor the region made
+        # (``m.add_(1)`` in a compiled function) would go unrecorded and replay would rebuild
+        # the value before it, silently (tests/test_compile.py). ``__enter__`` turns dynamo
+        # off for the region instead, so such a function runs as plain Python there.
         return False
+
+    def __enter__(self):
+        self._dynamo = _dynamo_off()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            return super().__exit__(exc_type, exc, tb)
+        finally:
+            _dynamo_restore(self._dynamo)
 
     def __init__(self, graph: RegionGraph, region):
         super().__init__()
