@@ -36,7 +36,7 @@ from .errors import CheckpointError
 from .graph import Node, RegionGraph, human_bytes, walk
 
 __all__ = [
-    "MemoryBudget", "MinCut", "Planner", "Problem", "bundles_of", "closure", "costs", "knapsack", "min_cut_keep", "node_cost", "problem",
+    "MemoryBudget", "MinCut", "Planner", "Problem", "bundles_of", "closure", "costs", "improve", "knapsack", "min_cut_keep", "node_cost", "problem",
 ]
 
 # The dynamic program's table has at most this many capacity cells; beyond it, bytes are
@@ -132,6 +132,56 @@ def costs(graph: RegionGraph, bundles: list[list[int]], cost="flops", items=None
             total = (0, 0) if cost == "flops" else (0,)
         out.append((*total, len(run)))
     return out
+
+
+def replay_cost(graph: RegionGraph, wanted, kept, cost="flops", memo=None) -> tuple:
+    """What replay runs to rebuild ``wanted`` when the groups in ``kept`` are held: the
+    components of ``node_cost`` summed over ``closure``'s nodes, then their number. Exact
+    for one choice, chains included (a node two replayed values read is counted once)."""
+    memo = {} if memo is None else memo
+    run = closure(graph, wanted, kept)
+    total = (0, 0) if cost == "flops" else (0,)
+    for i in run:
+        c = memo.get(i)
+        if c is None:
+            c = memo[i] = node_cost(graph.nodes[i], cost, graph.times)
+        total = tuple(x + y for x, y in zip(total, c))
+    return (*total, len(run))
+
+
+def improve(graph: RegionGraph, wanted, bundles, weights, chosen: set, capacity: int, fixed=(), cost="flops",
+            rounds: int = 64) -> set:
+    """``chosen`` (indices of ``bundles``) improved by local search on the exact price
+    (``replay_cost``): add one bundle, or swap one kept for one not kept, while the total
+    weight stays within ``capacity`` and replay gets cheaper; the best move each round.
+
+    The knapsack prices each bundle alone (``costs``: its replay when every other item is
+    kept), an upper bound blind to chains: keeping one value can let replay rebuild several
+    others cheaply (a projection whose views attention reads), and two replayed bundles
+    may share one replayed op. The search sees both. Never worse than the knapsack's choice."""
+    memo: dict = {}
+    fixed = set(fixed)
+
+    def price(sel):
+        return replay_cost(graph, wanted, fixed | {g for i in sel for g in bundles[i]}, cost, memo)
+
+    current = price(chosen)
+    for _ in range(rounds):
+        used = sum(weights[i] for i in chosen)
+        best, best_sel = current, None
+        for j in range(len(bundles)):
+            if j in chosen:
+                continue
+            moves = [chosen | {j}] if used + weights[j] <= capacity else []
+            moves += [(chosen - {i}) | {j} for i in chosen if used - weights[i] + weights[j] <= capacity]
+            for sel in moves:
+                c = price(sel)
+                if c < best:
+                    best, best_sel = c, sel
+        if best_sel is None:
+            return chosen
+        chosen, current = best_sel, best
+    return chosen
 
 
 # --- the knapsack -------------------------------------------------------------------------
@@ -390,6 +440,7 @@ class MemoryBudget(Planner):
                     "PREFER_SAVE so the budget may drop them."
                 )
             chosen, _ = knapsack(weights, values, limit - forced_bytes)
+            chosen = improve(graph, p.wanted, free, weights, set(chosen), limit - forced_bytes, forced, self.cost)
             return {g for i in chosen for g in free[i]} | forced
 
         return solve

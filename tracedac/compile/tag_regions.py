@@ -153,7 +153,11 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later: set =
             if n.name in baseline:
                 base.update((x.group, 0) for x in (m if isinstance(m, tuple) else (m,))
                             if x is not None and graph.groups[x.group].creator is not None)
-        p = problem(graph, base)
+        # Priced on what backward really reads (``wanted``, which the tags make the
+        # partitioner rebuild from what is kept: a residual sum its layer norm's backward
+        # reads is rebuilt through the projection before it), chosen among both.
+        p = problem(graph, base | wanted)
+        p.full = sum(graph.groups[g].nbytes for g in {g for g, _ in base})
     else:
         p = problem(graph, wanted)
     if isinstance(planner, MemoryBudget):
