@@ -205,3 +205,98 @@ def several(rank, world, parts):
 def inductor(rank, world):
     """One case compiled by inductor itself (its C++ compile is the slow part)."""
     return equal_to_eager(rank, world, [("plain", "per-block", None)], backend="inductor")
+
+
+class LinearBlock(torch.nn.Module):
+    """A unit of Linear layers only: under bf16 autocast every use of its gathered
+    parameters is a cast to bf16 (the bias too: autocast casts every input of ``linear``)."""
+
+    def __init__(self, d=w.D):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.lin2(F.gelu(self.lin1(x))).float()
+
+
+class LinearModel(torch.nn.Module):
+    def __init__(self, d=w.D):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([LinearBlock(d), LinearBlock(d)])
+        self.norm = torch.nn.LayerNorm(d)  # the root unit: read in fp32, never cast
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x)
+
+
+def _autocast_training(call, m, rank, world, steps=3):
+    """Losses, final parameters and all-gather bytes by dtype (counted at the process group)."""
+    from tracedac.bench.collectives import AllGatherCounter
+
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    losses, counter = [], AllGatherCounter()
+    with counter:
+        for step in range(steps):
+            x, y = batch(step, rank, world)
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = F.mse_loss(call(x).float().sum(-1), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, zero.full_state_dict(m), dict(counter.bytes)
+
+
+def fused_cast(rank, world):
+    """A fp32-sharded model compiled under bf16 autocast, with the gather-cast pass and with it
+    patched out: losses and parameters (must be bit-identical: a cast moved before a copy),
+    all-gather bytes by dtype, and the dtypes of the gathers in the forward and backward graphs."""
+    import tracedac.compile.gather_cast as gather_cast
+
+    out = {}
+    bf16 = zero.MixedPrecision(torch.bfloat16, torch.float32)
+    for fuse in (True, False, "mixed_precision"):
+        _fresh()
+        torch.manual_seed(0)
+        m = zero.shard(LinearModel(), mixed_precision=bf16 if fuse == "mixed_precision" else None)
+        saved = gather_cast.fuse_gather_casts
+        if not fuse:
+            gather_cast.fuse_gather_casts = lambda gm: gm
+        try:
+            g = Graphs()
+            call = torch.compile(m, fullgraph=True, backend=g.backend)
+            losses, sd, wire = _autocast_training(call, m, rank, world)
+        finally:
+            gather_cast.fuse_gather_casts = saved
+
+        def dtypes(gms):
+            return sorted(str(n.kwargs.get("dtype", "group")) for gm in gms for n in gm.graph.nodes if n.target is GATHER)
+
+        out[fuse] = dict(losses=losses, sd=sd, wire=wire, forward=dtypes(g.forward), backward=dtypes(g.backward),
+                         casts_of_gathers=sum(1 for gm in g.forward for n in gm.graph.nodes
+                                              if n.target is torch.ops.prims.convert_element_type.default
+                                              and _from_gather(n)))
+    _fresh()
+    torch.manual_seed(0)
+    m = zero.shard(LinearModel(), mixed_precision=bf16)
+    try:  # mixed_precision compiled outside autocast: its forward hooks cannot run autocast
+        torch.compile(m, fullgraph=True, backend=BACKEND)(batch(0, rank, world)[0])
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 (dynamo wraps the ZeroError raised while tracing)
+        out["error"] = str(e)
+    _fresh()
+    return out
+
+
+def _from_gather(node) -> bool:
+    """Whether ``node`` reads a gather's output through views only."""
+    while node.all_input_nodes:
+        node = node.all_input_nodes[0]
+        if node.target is GATHER:
+            return True
+        if node.target not in (torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
+                               torch.ops.prims.convert_element_type.default):
+            return False
+    return False

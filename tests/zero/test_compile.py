@@ -7,6 +7,7 @@ on CPU is slow, so the models are the zero tests' small ones.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from . import compile_workers as cw
 from .spawn import part, run_ranks
@@ -19,7 +20,7 @@ CASES = [("plain", "per-block", None), ("plain", "whole", None), ("wrap-before",
 def ranks(request):
     world = request.param
     cases = CASES if world == 1 else CASES[1:4]  # two ranks: the cases with regions and the whole model
-    parts = [("equal_to_eager", (cases,)), ("graphs", ()), ("dead_code", ()), ("memory", ())]
+    parts = [("equal_to_eager", (cases,)), ("graphs", ()), ("dead_code", ()), ("memory", ()), ("fused_cast", ())]
     if world == 1:  # inductor's C++ compile is the slow part: one world size
         parts.append(("inductor", ()))
     return world, run_ranks(cw.several, world, parts, timeout=400)
@@ -79,3 +80,34 @@ def test_no_tensor_and_no_unit_leaks_over_ten_compiled_steps(ranks):
         # ten leaked units would be 10x one; gloo and Python hold some 40 KB more a step
         assert grown < 2 * unit_bytes, (grown, unit_bytes)
         assert live == 0
+
+
+def test_autocasts_downcast_of_a_gathered_parameter_moves_into_the_gather(ranks):
+    """``compile/gather_cast.py``: a unit whose every parameter autocast casts to bf16 gathers
+    bf16 (forward, and backward's gather again), with no cast of a gathered value left; the
+    root (a LayerNorm, read in fp32) still gathers fp32. Training is bit-identical to the same
+    compiled model without the pass, and the wire carries bf16 for the Linear units."""
+    for per_rank in _part(ranks, "fused_cast"):
+        fused, plain = per_rank[True], per_rank[False]
+        assert fused["losses"] == plain["losses"]
+        for k in plain["sd"]:
+            assert torch.equal(fused["sd"][k], plain["sd"][k]), k
+        assert fused["forward"] == ["group", "torch.bfloat16", "torch.bfloat16"], fused["forward"]
+        assert fused["backward"] == fused["forward"], fused["backward"]  # backward gathers each again
+        assert plain["forward"] == ["group"] * 3 and plain["casts_of_gathers"] == 8, plain
+        assert fused["casts_of_gathers"] == 0
+        assert set(plain["wire"]) - {"int64"} == {"float32"}  # int64: the ranks' order checks
+        # the Linear units' bytes halve; the root's (the LayerNorm) stay fp32
+        assert fused["wire"]["bfloat16"] * 2 + fused["wire"]["float32"] == plain["wire"]["float32"]
+
+
+def test_mixed_precision_compiles_inside_autocast_and_refuses_outside(ranks):
+    """``MixedPrecision`` runs low-precision modules under autocast from hooks, which a compiled
+    unit cannot hold: inside the caller's autocast it compiles (the Linear groups travel bf16,
+    as the fused fp32 groups do: bit-identical training), outside it is a ZeroError naming the
+    autocast to use."""
+    for per_rank in _part(ranks, "fused_cast"):
+        mixed, fused = per_rank["mixed_precision"], per_rank[True]
+        assert mixed["losses"] == fused["losses"]
+        assert mixed["wire"] == fused["wire"]
+        assert "torch.autocast('cpu', dtype=torch.bfloat16)" in per_rank["error"], per_rank["error"]

@@ -1,8 +1,9 @@
 """ZeRO-3's three collectives as ``torch.library`` custom ops, and the flat groups they move.
 
-- ``tracedac::all_gather(shard, flat) -> full``: cast this rank's fp32 buffer into the
-  all-gather input (``pack_cast``, one fused pass), all-gather in the group's travel dtype,
-  and reorder rank-major into parameter after parameter (``layout``). Backward:
+- ``tracedac::all_gather(shard, flat, dtype=None) -> full``: cast this rank's fp32 buffer
+  into the all-gather input (``pack_cast``, one fused pass), all-gather in the group's travel
+  dtype (or ``dtype``: the compiled graph's cast moved into the gather by
+  ``compile/gather_cast.py``), and reorder rank-major into parameter after parameter (``layout``). Backward:
   ``reduce_scatter`` the full gradient and add it into the parameters' DTensor ``.grad``
   with ``accumulate_`` (or keep it unsharded while gradient sync is off).
 - ``tracedac::reduce_scatter(grad, flat) -> part``: this rank's part of the gradient summed
@@ -161,6 +162,7 @@ class FlatGroup:
         self.timeout = timeout
         self.state = state  # the model's Prefetch
         self.pending: _Pending | None = None
+        self.travel = dtype  # the dtype the last gather asked for: what a prefetch gathers in
         self.sync = True  # reduce-scatter gradients in backward (False: accumulate them unsharded)
         self.held: torch.Tensor | None = None  # the unsharded gradient accumulated while sync is off
         self.grad_buffer: torch.Tensor | None = None  # flat fp32 gradient that the .grad DTensors view
@@ -226,7 +228,7 @@ class FlatGroup:
     def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> _Pending:
         """Start the all-gather of ``shard`` in the travel dtype (or ``dtype``), asynchronously."""
         self.agree("all-gather")
-        dtype = self.dtype if dtype is None else dtype
+        dtype = self.travel if dtype is None else dtype
         if dtype == shard.dtype:
             src = shard.detach()  # no cast: gather straight from the shard
         else:
@@ -236,11 +238,16 @@ class FlatGroup:
         work = _all_gather(out, src, group=self.group, async_op=True)
         return _Pending(work, out, src)
 
-    def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The full parameters, parameter after parameter (``layout``): prefetched if started."""
+    def gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full parameters, parameter after parameter (``layout``), in the travel dtype (or
+        ``dtype``, and later prefetches with it): prefetched if started in that dtype."""
+        self.travel = dtype = self.dtype if dtype is None else dtype
         pending, self.pending = self.pending, None
+        if pending is not None and pending.out.dtype != dtype:  # started before the dtype changed
+            self.wait(pending.work, "all-gather (prefetched)")
+            pending = None
         if pending is None:
-            pending = self.start(shard)
+            pending = self.start(shard, dtype)
             self.wait(pending.work, "all-gather")
         else:
             self.wait(pending.work, "all-gather (prefetched)")
@@ -309,15 +316,16 @@ class FlatGroup:
 
 
 @torch.library.custom_op("tracedac::all_gather", mutates_args=())
-def all_gather(shard: torch.Tensor, flat: str) -> torch.Tensor:
-    """The full parameters of group ``flat``, parameter after parameter, in its travel dtype."""
-    return group_of(flat).gather(shard)
+def all_gather(shard: torch.Tensor, flat: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full parameters of group ``flat``, parameter after parameter, in its travel dtype
+    (or ``dtype``)."""
+    return group_of(flat).gather(shard, dtype)
 
 
 @all_gather.register_fake
-def _all_gather_fake(shard, flat):
+def _all_gather_fake(shard, flat, dtype=None):
     g = group_of(flat)
-    return shard.new_empty(g.world * g.shard_numel, dtype=g.dtype)
+    return shard.new_empty(g.world * g.shard_numel, dtype=g.dtype if dtype is None else dtype)
 
 
 def _all_gather_setup(ctx, inputs, output):
@@ -330,7 +338,7 @@ def _all_gather_backward(ctx, grad):
     torch.ops.tracedac.reduce_grad(grad, ctx.flat)
     # None: the gradient is in the parameters' .grad already (DTensors; the op's input is a
     # plain leaf over the same storage, which never gets a .grad).
-    return None, None
+    return None, None, None
 
 
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)

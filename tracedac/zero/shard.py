@@ -222,11 +222,16 @@ class _Autocast:
 
     def pre(self, module, args):
         if tracing(args):
+            if torch.is_autocast_enabled(self.device_type) and \
+                    torch.get_autocast_dtype(self.device_type) == self.dtype:
+                return  # the caller's autocast already covers it (and the compiler traced it)
             raise ZeroError(
                 "shard(mixed_precision=MixedPrecision(...)) runs its low-precision modules under "
                 "torch.autocast from forward hooks, which a compiler cannot trace as one context. "
-                "Under torch.compile, shard without mixed_precision and call the compiled model "
-                "inside torch.autocast(device_type, dtype=torch.bfloat16) instead."
+                "Under torch.compile, call the compiled model inside "
+                f"torch.autocast({self.device_type!r}, dtype={self.dtype}) (the parameters still "
+                "travel in param_dtype), or shard without mixed_precision: under autocast the "
+                "compiled graph's cast of a gathered parameter moves into the gather."
             )
         ctx = torch.autocast(self.device_type, dtype=self.dtype)
         ctx.__enter__()
