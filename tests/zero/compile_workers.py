@@ -272,7 +272,7 @@ def fused_cast(rank, world):
             gather_cast.fuse_gather_casts = saved
 
         def dtypes(gms):
-            return sorted(str(n.kwargs.get("dtype", "group")) for gm in gms for n in gm.graph.nodes if n.target is GATHER)
+            return sorted(str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else "none")) for gm in gms for n in gm.graph.nodes if n.target is GATHER)
 
         out[fuse] = dict(losses=losses, sd=sd, wire=wire, forward=dtypes(g.forward), backward=dtypes(g.backward),
                          casts_of_gathers=sum(1 for gm in g.forward for n in gm.graph.nodes
@@ -300,3 +300,20 @@ def _from_gather(node) -> bool:
                                torch.ops.prims.convert_element_type.default):
             return False
     return False
+
+
+def auto_compiled(rank, world):
+    """The tests' model (LayerNorm, Linear and Block-owned parameters in each unit) compiled
+    whole under bf16 autocast, sharded plainly and with ``MixedPrecision("auto")``: losses,
+    wire bytes by dtype, and (auto) each gather's group name and dtype in the forward graph."""
+    out = {}
+    for name, mp in (("plain", None), ("auto", zero.MixedPrecision("auto"))):
+        _fresh()
+        m = zero.shard(w.model(), mixed_precision=mp)
+        g = Graphs()
+        losses, _, wire = _autocast_training(torch.compile(m, fullgraph=True, backend=g.backend), m, rank, world)
+        names = {grp.key: grp.name for grp in m._tracedac_zero.all_groups}
+        out[name] = dict(losses=losses, wire=wire, gathers=sorted(
+            (names[n.args[1]], str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else None))) for gm in g.forward for n in gm.graph.nodes if n.target is GATHER))
+    _fresh()
+    return out

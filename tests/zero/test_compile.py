@@ -20,7 +20,7 @@ CASES = [("plain", "per-block", None), ("plain", "whole", None), ("wrap-before",
 def ranks(request):
     world = request.param
     cases = CASES if world == 1 else CASES[1:4]  # two ranks: the cases with regions and the whole model
-    parts = [("equal_to_eager", (cases,)), ("graphs", ()), ("dead_code", ()), ("memory", ()), ("fused_cast", ())]
+    parts = [("equal_to_eager", (cases,)), ("graphs", ()), ("dead_code", ()), ("memory", ()), ("fused_cast", ()), ("auto_compiled", ())]
     if world == 1:  # inductor's C++ compile is the slow part: one world size
         parts.append(("inductor", ()))
     return world, run_ranks(cw.several, world, parts, timeout=400)
@@ -92,9 +92,9 @@ def test_autocasts_downcast_of_a_gathered_parameter_moves_into_the_gather(ranks)
         assert fused["losses"] == plain["losses"]
         for k in plain["sd"]:
             assert torch.equal(fused["sd"][k], plain["sd"][k]), k
-        assert fused["forward"] == ["group", "torch.bfloat16", "torch.bfloat16"], fused["forward"]
+        assert fused["forward"] == ["torch.bfloat16", "torch.bfloat16", "torch.float32"], fused["forward"]
         assert fused["backward"] == fused["forward"], fused["backward"]  # backward gathers each again
-        assert plain["forward"] == ["group"] * 3 and plain["casts_of_gathers"] == 8, plain
+        assert plain["forward"] == ["torch.float32"] * 3 and plain["casts_of_gathers"] == 8, plain
         assert fused["casts_of_gathers"] == 0
         assert set(plain["wire"]) - {"int64"} == {"float32"}  # int64: the ranks' order checks
         # the Linear units' bytes halve; the root's (the LayerNorm) stay fp32
@@ -111,3 +111,18 @@ def test_mixed_precision_compiles_inside_autocast_and_refuses_outside(ranks):
         assert mixed["losses"] == fused["losses"]
         assert mixed["wire"] == fused["wire"]
         assert "torch.autocast('cpu', dtype=torch.bfloat16)" in per_rank["error"], per_rank["error"]
+
+
+def test_auto_dtype_compiled_gathers_every_linear_group_in_bf16(ranks):
+    """``MixedPrecision("auto")`` compiled: groups by module class let the pass move autocast's
+    cast into each Linear group's gather (sharded plainly, each unit's one trainable group mixes
+    LayerNorm and Linear parameters and travels fp32). The same losses; fewer fp32 bytes."""
+    for per_rank in _part(ranks, "auto_compiled"):
+        plain, auto = per_rank["plain"], per_rank["auto"]
+        assert auto["losses"] == plain["losses"]
+        linear = [d for name, d in auto["gathers"] if "Linear" in name]
+        assert linear and set(linear) == {"torch.bfloat16"}, auto["gathers"]
+        assert {d for name, d in auto["gathers"] if "Linear" not in name} == {"torch.float32"}, auto["gathers"]
+        # plainly only the root's group (all Linear) travels bf16
+        assert auto["wire"]["float32"] < 0.5 * plain["wire"]["float32"], per_rank
+        assert auto["wire"]["bfloat16"] > 2 * auto["wire"]["float32"]  # the Linear weights are most bytes

@@ -11,7 +11,7 @@ the all-gather input (``pack_cast``), so the fusion is a rewrite of the graph.
 ``view``, ...), a cast to one lower-precision dtype (``prims.convert_element_type`` or
 ``aten._to_copy``), ignoring the unit's ``release``:
 
-- the gather node gets ``dtype`` (``all_gather(shard, key, dtype=...)``): same node, new argument;
+- the gather node gets ``dtype`` (``all_gather(shard, key, dtype=...)``): same node, new dtype;
 - its views keep their arguments; their ``meta["val"]`` takes the new dtype;
 - every cast node is removed, its users reading the view directly.
 
@@ -94,8 +94,8 @@ def fuse_gather_casts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     backward = _backward_nodes(gm.graph)
     changed = False
     for node in gathers:
-        if node in backward or len(node.args) > 2 or node.kwargs:
-            continue  # a gather backward recomputes, or one already given a dtype
+        if node in backward:
+            continue  # a gather backward recomputes
         found = _uses(node, backward)
         if found is None:
             continue
@@ -107,7 +107,7 @@ def fuse_gather_casts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
             continue  # the group travels in a low dtype already (MixedPrecision)
-        node.kwargs = {"dtype": dtype}  # a keyword, as inductor's lowering passes a defaulted argument
+        node.args, node.kwargs = node.args[:2], {"dtype": dtype}  # a keyword, as inductor's lowering passes a defaulted argument
         for n in (node, *views):
             _retyped(n, dtype)
         for c in casts:

@@ -68,7 +68,7 @@ class Prefetch:
     group's destruction.
     """
 
-    __slots__ = ("enabled", "backward", "current", "learned", "inflight", "queued")
+    __slots__ = ("enabled", "backward", "current", "learned", "inflight", "queued", "auto")
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -77,6 +77,7 @@ class Prefetch:
         self.learned: dict = {}  # backward: bool -> the order of that kind of pass, last time
         self.inflight: list = []  # groups with a prefetched gather started in this pass
         self.queued = False  # a drain is queued for the end of the running backward
+        self.auto = None  # the model's zero.auto.Auto, under MixedPrecision(param_dtype="auto")
 
     def begin(self, backward: bool) -> None:
         if self.backward is not None:
@@ -423,10 +424,11 @@ class Gathered:
     of the same graph (``retain_graph=True``) starts a new round and does the same.
     """
 
-    __slots__ = ("flat", "full", "alive", "remaining", "round", "cached", "__weakref__")
+    __slots__ = ("flat", "dtype", "full", "alive", "remaining", "round", "cached", "__weakref__")
 
     def __init__(self, flat: FlatGroup, full: torch.Tensor):
         self.flat = flat
+        self.dtype = full.dtype  # backward gathers in it again, whatever the group travels in by then
         self.full = full  # until release
         self.alive = 0  # handles not yet garbage collected
         self.remaining = 0  # of those, how many this round has not unpacked yet
@@ -442,7 +444,7 @@ class Gathered:
     def regather(self) -> torch.Tensor:
         if self.cached is None:
             with torch.no_grad():
-                self.cached = torch.ops.tracedac.all_gather(self.flat.leaf, self.flat.key)
+                self.cached = torch.ops.tracedac.all_gather(self.flat.leaf, self.flat.key, self.dtype)
         return self.cached
 
     def done(self, handle: Handle, dropped: bool) -> None:
@@ -484,7 +486,7 @@ class Handle:
 def handle_for(t: torch.Tensor) -> Handle | None:
     """A handle if ``t`` lives on a buffer gathered by a forward still running, else None."""
     entry = _LIVE.get(_address(t))
-    if entry is None or t.dtype != entry.flat.dtype:
+    if entry is None or t.dtype != entry.dtype:
         return None
     return entry.handle(t)
 
@@ -495,7 +497,7 @@ class _GatheredOwner:
 
     def owns(self, t: torch.Tensor) -> bool:
         entry = _LIVE.get(_address(t))
-        return entry is not None and t.dtype == entry.flat.dtype
+        return entry is not None and t.dtype == entry.dtype
 
     def handle(self, t: torch.Tensor) -> Handle | None:
         return handle_for(t)
