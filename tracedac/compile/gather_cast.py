@@ -8,8 +8,9 @@ the all-gather input (``pack_cast``), so the fusion is a rewrite of the graph.
 
 ``fuse_gather_casts(gm) -> gm``, on the forward nodes of a joint graph, for each
 ``tracedac::all_gather(shard, key)`` whose every use is, through views only (``slice``,
-``view``, ...), a cast to one lower-precision dtype (``prims.convert_element_type`` or
-``aten._to_copy``), ignoring the unit's ``release``:
+``view``, an expert's ``select``: any op torch marks ``is_view``), a cast to one
+lower-precision dtype (``prims.convert_element_type`` or ``aten._to_copy``), ignoring the
+unit's ``release``:
 
 - the gather node gets ``dtype`` (``all_gather(shard, key, dtype=...)``): same node, new dtype;
 - its views keep their arguments; their ``meta["val"]`` takes the new dtype;
@@ -25,16 +26,12 @@ in backward (``zero_tags``) is this node, so backward gathers bf16 too.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 __all__ = ["fuse_gather_casts"]
 
-_VIEWS = {
-    torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default, torch.ops.aten.alias.default, torch.ops.aten.as_strided.default,
-    torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
-    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.expand.default,
-}
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -46,6 +43,15 @@ def _cast_dtype(node) -> torch.dtype | None:
             and set(node.kwargs) <= {"dtype"}:
         return node.kwargs.get("dtype")
     return None
+
+
+def _is_view(user, node) -> bool:
+    """Whether ``user`` is a view of ``node`` (``slice``, ``view``, an expert's ``select``...), or
+    an item of a multi-result view (``split``, ``unbind``)."""
+    target = user.target
+    if target is operator.getitem:
+        return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+    return isinstance(target, torch._ops.OpOverload) and target.is_view and user.args[0] is node
 
 
 def _is_release(node) -> bool:
@@ -64,7 +70,7 @@ def _uses(gather, backward) -> tuple[list, list] | None:
                 return None  # backward reads the gathered value itself, not a cast of it
             if node is gather and _is_release(user):
                 continue
-            if user.target in _VIEWS and user.args[0] is node:
+            if _is_view(user, node):
                 views.append(user)
                 todo.append(user)
             elif _cast_dtype(user) is not None:
@@ -107,7 +113,12 @@ def fuse_gather_casts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
             continue  # the group travels in a low dtype already (MixedPrecision)
-        node.args, node.kwargs = node.args[:2], {"dtype": dtype}  # a keyword, as inductor's lowering passes a defaulted argument
+        # in the form the node has it: inductor's lowering checks the arguments against
+        # those it was traced with (their number, which are keywords)
+        if len(node.args) > 2:
+            node.args = (*node.args[:2], dtype)
+        else:
+            node.kwargs = {**node.kwargs, "dtype": dtype}
         for n in (node, *views):
             _retyped(n, dtype)
         for c in casts:

@@ -44,6 +44,17 @@ def _cast_to(func, args, kwargs) -> torch.dtype | None:
 class Observer(TorchDispatchMode):
     """Notes, for each tracked tensor's group, how ops read it (see the module docstring)."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Compiled units called inside the observed forward (per-block compile) run compiled:
+        # dynamo refuses to run under a mode that does not say so. Their gathers are graph
+        # nodes, never tracked here (the gather-cast pass decides for them).
+        return True
+
+    # A compiled graph's higher-order ops reach the mode at run time (``run_and_save_rng_state``
+    # for a replayed dropout): no gathered view of an eager unit goes into one; they run as they are.
+    supports_higher_order_operators = True
+
     def __init__(self, auto: Auto):
         super().__init__()
         self.auto = auto
@@ -57,6 +68,8 @@ class Observer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return out
         tracked = self.tracked
         hit = [tracked[id(a)] for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and id(a) in tracked]
         if hit:
