@@ -20,7 +20,8 @@ CASES = [("plain", "per-block", None), ("plain", "whole", None), ("wrap-before",
 def ranks(request):
     world = request.param
     cases = CASES if world == 1 else CASES[1:4]  # two ranks: the cases with regions and the whole model
-    parts = [("equal_to_eager", (cases,)), ("graphs", ()), ("dead_code", ()), ("memory", ()), ("fused_cast", ()), ("auto_compiled", ())]
+    parts = [("equal_to_eager", (cases,)), ("graphs", ()), ("dead_code", ()), ("memory", ()), ("fused_cast", ()), ("auto_compiled", ()),
+             ("prefetch_order", ())]
     if world == 1:  # inductor's C++ compile is the slow part: one world size
         parts.append(("inductor", ()))
     return world, run_ranks(cw.several, world, parts, timeout=400)
@@ -126,3 +127,32 @@ def test_auto_dtype_compiled_gathers_every_linear_group_in_bf16(ranks):
         # plainly only the root's group (all Linear) travels bf16
         assert auto["wire"]["float32"] < 0.5 * plain["wire"]["float32"], per_rank
         assert auto["wire"]["bfloat16"] > 2 * auto["wire"]["float32"]  # the Linear weights are most bytes
+
+
+def test_the_next_units_all_gather_is_issued_before_this_units_compute(ranks):
+    """``compile/gather_prefetch.py``: in a whole-model graph each gather is a start and a
+    wait, and unit k+1's starts come right after unit k's waits, before anything reads unit
+    k's parameters. With the runtime prefetch off the graph's order is the only prefetch;
+    training equals eager zero.shard, and backward still gathers every trainable unit again."""
+    for r in _part(ranks, "prefetch_order"):
+        seq = r["seq"]
+        assert not [k for kind, k in seq if kind == "gather"], seq  # every gather split
+        # units: runs of waits (starts may sit between them), in the order the forward runs them
+        units, run = [], None
+        for kind, k in seq:
+            if kind == "wait":
+                if run is None:
+                    run = []
+                    units.append(run)
+                run.append(k)
+            elif kind != "start":
+                run = None
+        assert len(units) >= 4, seq  # the root's embedding, three blocks (and the head's group)
+        for cur, nxt in zip(units, units[1:]):
+            first_read = min(i for i, (kind, k) in enumerate(seq) if kind == "reads" and k in cur)
+            last_wait = max(i for i, (kind, k) in enumerate(seq) if kind == "wait" and k in cur)
+            for k in nxt:
+                start = max(i for i, (kind, key) in enumerate(seq) if kind == "start" and key == k and i < first_read)
+                assert last_wait < start < first_read, (cur, nxt, seq)
+        assert r["losses"] < 1e-5 and r["params"] < 1e-5, r
+        assert r["bw_waits"] > 0

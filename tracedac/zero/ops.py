@@ -13,6 +13,10 @@
   forgets the one reference it held, so the storage goes with the last view.
 - ``tracedac::reduce_grad(grad, flat)``: the gather's backward, an op so that a compiled
   backward runs it rather than tracing its Python state (held gradients, ``.grad``).
+- ``tracedac::all_gather_start(shard, flat, dtype=None)`` / ``all_gather_wait(started, flat)``:
+  a gather in two, which ``compile/gather_prefetch.py`` puts in a compiled forward in place
+  of ``all_gather`` so that the next unit's all-gather is in flight during this unit's
+  compute. Forward only (the joint graph is already differentiated): no autograd of their own.
 
 ``release`` and ``reduce_grad`` return nothing and are registered effectful: compilers keep
 them, in order (dead-code elimination would drop an op whose result nobody reads).
@@ -255,6 +259,31 @@ class FlatGroup:
         self._prefetch_next()
         return to_param_major(pending.out, self.slices, self.world)
 
+    def begin_gather(self, shard: torch.Tensor, dtype: torch.dtype) -> _Pending:
+        """``all_gather_start``: the pending gather in ``dtype``, started now unless it is."""
+        self.travel = dtype
+        pending = self.pending
+        if pending is not None and pending.out.dtype != dtype:
+            self.wait(pending.work, "all-gather (prefetched)")
+            pending = None
+        if pending is None:
+            pending = self.pending = self.start(shard, dtype)
+            self.state.inflight.append(self)  # drained with its pass if no wait consumes it
+        return pending
+
+    def end_gather(self, started: torch.Tensor) -> torch.Tensor:
+        """``all_gather_wait``: finish the pending gather whose output is ``started``."""
+        pending = self.pending
+        if pending is None or pending.out.data_ptr() != started.data_ptr():
+            # Not the gather ``started`` names: it was drained at a pass's end (its forward
+            # and this wait fell in two passes) or replaced. Its data may predate an optimizer
+            # step: gather again now rather than read it.
+            return self.gather(self.leaf, started.dtype)
+        self.pending = None
+        self.wait(pending.work, "all-gather (started ahead)")
+        self._prefetch_next()
+        return to_param_major(pending.out, self.slices, self.world)
+
     def gather_fp32(self) -> torch.Tensor:
         """The full fp32 parameters, outside any pass (state dicts, ``full_parameters``)."""
         pending = self.start(self.local, torch.float32)
@@ -343,6 +372,37 @@ def _all_gather_backward(ctx, grad):
 
 
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+
+
+# --- gather, split in two (compiled graphs: compile/gather_prefetch.py) ----------------------
+
+
+@torch.library.custom_op("tracedac::all_gather_start", mutates_args=())
+def all_gather_start(shard: torch.Tensor, flat: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Start the all-gather ``all_gather(shard, flat, dtype)`` would run and return its
+    rank-major output buffer, still being written; ``all_gather_wait`` finishes it. A gather
+    already started in that dtype (by the runtime prefetch) is the one returned."""
+    g = group_of(flat)
+    return g.begin_gather(shard, g.dtype if dtype is None else dtype).out
+
+
+@all_gather_start.register_fake
+def _all_gather_start_fake(shard, flat, dtype=None):
+    g = group_of(flat)
+    return shard.new_empty(g.world * g.shard_numel, dtype=g.dtype if dtype is None else dtype)
+
+
+@torch.library.custom_op("tracedac::all_gather_wait", mutates_args=())
+def all_gather_wait(started: torch.Tensor, flat: str) -> torch.Tensor:
+    """Wait for the all-gather ``all_gather_start`` returned ``started`` for; the full
+    parameters, parameter after parameter, as ``all_gather`` returns them."""
+    full = group_of(flat).end_gather(started)
+    return full.clone() if full is started else full  # an op's result may not alias its input
+
+
+@all_gather_wait.register_fake
+def _all_gather_wait_fake(started, flat):
+    return torch.empty_like(started)
 
 
 @torch.library.custom_op("tracedac::reduce_grad", mutates_args=())
