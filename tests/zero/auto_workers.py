@@ -49,8 +49,15 @@ def eager(rank, world):
     first = _dtypes(auto)
     want_losses, want_wire = _train(listed, rank, world)
     losses, wire = _train(auto, rank, world)
+    params = w.max_diff(zero.full_state_dict(auto), zero.full_state_dict(listed))
+    # an eval pass without autocast after the decision: bf16 groups gather fp32 there
+    plain = w.model()
+    plain.load_state_dict(zero.full_state_dict(auto))
+    x, _ = w.rank_batch(0, rank, world)
+    with torch.no_grad():
+        eval_diff = (auto(x) - plain(x)).abs().max().item()
     return dict(first=first, decided=_dtypes(auto), losses=(losses, want_losses), wire=(wire, want_wire),
-                params=w.max_diff(zero.full_state_dict(auto), zero.full_state_dict(listed)))
+                params=params, eval_diff=eval_diff)
 
 
 class Divergent(nn.Module):

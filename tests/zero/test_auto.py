@@ -23,6 +23,7 @@ def test_auto_decides_from_the_first_forward_and_trains_as_the_module_list(world
         losses, want = r["losses"]
         assert losses == want
         assert r["params"] == 0.0
+        assert r["eval_diff"] < 1e-5  # without autocast a bf16-decided group gathers fp32: fp32 results
         wire, want_wire = r["wire"]
         # the first step gathers fp32 while it observes (and backward then regathers no Linear:
         # autograd saved autocast's bf16 copies); from the second on, the list's bytes, up to

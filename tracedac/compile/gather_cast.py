@@ -81,13 +81,16 @@ def _uses(gather, backward) -> tuple[list, list] | None:
 
 
 def _retyped(node, dtype) -> None:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        node.meta["val"] = val.new_empty_strided(val.size(), val.stride(), dtype=dtype)
-        if "tensor_meta" in node.meta:
-            from torch.fx.passes.shape_prop import _extract_tensor_metadata
+    """``node``'s fake value (a tensor, or the list a ``split`` returns) in ``dtype``."""
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-            node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+    def retype(v):
+        return v.new_empty_strided(v.size(), v.stride(), dtype=dtype) if isinstance(v, torch.Tensor) else v
+
+    val = node.meta.get("val")
+    node.meta["val"] = type(val)(retype(v) for v in val) if isinstance(val, (list, tuple)) else retype(val)
+    if isinstance(node.meta["val"], torch.Tensor) and "tensor_meta" in node.meta:
+        node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
 
 
 def fuse_gather_casts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

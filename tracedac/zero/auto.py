@@ -23,6 +23,8 @@ makes the same decision per group from the compiled graph.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -58,20 +60,23 @@ class Observer(TorchDispatchMode):
     def __init__(self, auto: Auto):
         super().__init__()
         self.auto = auto
-        self.tracked: dict[int, int] = {}  # id(tensor) -> index of its group in auto.groups
-        self.pinned: list = []  # the tracked tensors, so no id is reused while observing
+        # id(tensor) -> (a weak reference to it, the index of its group in auto.groups). Weak:
+        # pinning the views would hold every unit's full parameters to the end of the forward.
+        self.tracked: dict[int, tuple] = {}
 
     def track(self, tensor: torch.Tensor, index: int) -> None:
-        self.tracked[id(tensor)] = index
-        self.pinned.append(tensor)
+        self.tracked[id(tensor)] = (weakref.ref(tensor), index)
+
+    def _group(self, a) -> int | None:
+        entry = self.tracked.get(id(a))
+        return entry[1] if entry is not None and entry[0]() is a else None  # not a reused id
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if isinstance(func, torch._ops.HigherOrderOperator):
             return out
-        tracked = self.tracked
-        hit = [tracked[id(a)] for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and id(a) in tracked]
+        hit = [i for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and (i := self._group(a)) is not None]
         if hit:
             notes = self.auto.notes
             dtype = _cast_to(func, args, kwargs)

@@ -174,6 +174,17 @@ class FlatGroup:
         self.grads: list = []
         self.summoned = False  # inside full_parameters(): the DTensors are swapped out
         self.local = self.leaf = None
+        self.auto = False  # MixedPrecision("auto"): dtype decided from the first forward (zero/auto.py)
+
+    def dtype_now(self) -> torch.dtype:
+        """The dtype to gather in now: the travel dtype, except that an ``"auto"`` group
+        decided low travels fp32 in a forward outside the autocast it was decided under (an
+        eval pass without autocast would otherwise meet bf16 weights with fp32 inputs)."""
+        if self.auto and self.dtype != torch.float32:
+            device = self.local.device.type
+            if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == self.dtype):
+                return torch.float32
+        return self.dtype
 
     def bind(self, local: torch.Tensor) -> None:
         """Make ``local`` the rank's buffer: new DTensor parameters over it, set on every module."""

@@ -119,7 +119,7 @@ class Unit:
                 "full parameters are plain tensors there and would not be gathered or reduced. "
                 "Run forward outside the with block."
             )
-        gathered = [Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key)) for g in self.groups]
+        gathered = [Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key, g.dtype_now())) for g in self.groups]
         views = [FullViews.apply(g.full, g.flat.world, tuple(g.flat.slices)) for g in gathered]
         for s in self.slots:
             s.module.__dict__[s.attr] = views[s.group][s.piece]
@@ -144,7 +144,7 @@ class Unit:
         ``Gathered`` entry and no saved-tensor hooks: the compiled code runs none of this."""
         install_for_gather()
         # dtype explicit: the graph keeps the dtype it was traced with if "auto" changes it later
-        fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key, dtype=g.dtype) for g in self.groups]
+        fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key, dtype=g.dtype_now()) for g in self.groups]
         for s in self.slots:
             g = self.groups[s.group]
             # object.__setattr__ writes the instance __dict__ as below; dynamo tracks it as an
@@ -723,6 +723,7 @@ def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
         g = FlatGroup(f"unit {name or '<root>'!r} ({kind} parameters)", slices, numel, requires_grad, dtype,
                       mp.reduce_dtype if mp is not None else torch.float32, group, timeout, state)
         g.local = local  # bound (DTensors made) once _attach knows every place each is held
+        g.auto = cls is not None
         for piece, p in enumerate(params):
             owner[id(p)] = (g, piece)
             # The replaced Parameter remembers where it went: a later shard() of an enclosing
