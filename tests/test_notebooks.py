@@ -68,14 +68,24 @@ def test_the_huggingface_notebook_trains_with_tracedac_under_the_trainer(tmp_pat
 
 
 def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memory(tmp_path):
+    import ast
     import re
 
     text = execute("04_zero.ipynb", tmp_path)
     assert "blocks.0.up.weight     DTensor  (Shard(dim=0),)" in text
     assert "forward graph of block 0: ['all_gather', 'release']" in text
     assert "backward graph of block 0: ['all_gather', 'reduce_grad']" in text and "graph breaks: 0" in text
-    ratio = float(re.search(r"bf16 / fp32 bytes on the wire: ([0-9.]+)", text).group(1))
-    assert 0.5 <= ratio <= 0.51  # Linear weights in bf16, the LayerNorms' fp32
+    def row(name):
+        bytes_, ratio = re.search(rf"{re.escape(name)} +(\{{.*\}})  / fp32 bytes: ([0-9.]+)", text).groups()
+        return ast.literal_eval(bytes_), float(ratio)
+
+    for name in ("bf16, module list", "bf16 auto, eager, step 2", "bf16 auto, compiled"):
+        got, ratio = row(name)
+        assert 0.5 <= ratio <= 0.51, (name, ratio)  # Linear weights in bf16, the LayerNorms' fp32
+        assert got["bfloat16"] > 100 * got["float32"], (name, got)
+    assert set(row("bf16 auto, eager, step 1")[0]) == {"float32"}  # the observed first step
+    assert "unit 'blocks.0' (trainable LayerNorm, auto dtype parameters): travels in torch.float32" in text
+    assert "unit 'blocks.0' (trainable Linear, auto dtype parameters): travels in torch.bfloat16" in text
     sharded, plain, unit = map(float, re.search(r"held after forward: sharded ([0-9.]+) KiB, unsharded ([0-9.]+) KiB; "
                                                 r"one block's parameters in fp32: ([0-9.]+) KiB", text).groups())
     assert abs(sharded - plain) < unit / 4  # activations only: no gathered block outlives its forward

@@ -21,7 +21,7 @@ from tracedac.bench import zero
 from tracedac.bench.__main__ import main
 
 TIMEOUT_S = 120
-ALWAYS = ("replicated", "tracedac_fp32", "fsdp2_fp32", "tracedac_bf16", "fsdp2_bf16")
+ALWAYS = ("replicated", "tracedac_fp32", "fsdp2_fp32", "tracedac_bf16", "tracedac_auto", "fsdp2_bf16")
 
 
 def _two_ranks(tmp, *flags, timeout=TIMEOUT_S):
@@ -187,6 +187,9 @@ def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_e
     # the bytes are counted from the process group's calls inside the compiled graphs too
     assert by["tracedacc_fp32"]["all_gather_bytes"]["float32"] == by["tracedac_fp32"]["all_gather_bytes"]["float32"]
     assert by["fsdp2c_bf16"]["all_gather_bytes"].get("bfloat16", 0) > 0
+    # "auto", compiled: the gather-cast pass puts the Linear and expert weights on the wire in bf16
+    auto = by["tracedacc_bf16"]["all_gather_bytes"]
+    assert auto.get("bfloat16", 0) > 2 * auto.get("float32", 0), auto
     names = [t["name"] for t in figures["targets"]]
     assert "tracedac.zero compiled fp32 step / FSDP2 compiled fp32" in names
     assert "graph breaks, tracedac.zero compiled (checkpointed MoE)" in names

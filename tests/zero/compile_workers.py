@@ -23,6 +23,8 @@ BACKEND = "aot_eager_decomp_partition"
 GATHER = torch.ops.tracedac.all_gather.default
 RELEASE = torch.ops.tracedac.release.default
 REDUCE = torch.ops.tracedac.reduce_grad.default
+WAIT = torch.ops.tracedac.all_gather_wait.default
+START = torch.ops.tracedac.all_gather_start.default
 
 
 def _fresh():
@@ -125,7 +127,7 @@ def _saved_gathered(gm) -> list:
     """Forward outputs (what backward is handed) computed from gathered parameters alone."""
     gathered = set()
     for n in gm.graph.nodes:
-        if n.op == "call_function" and (n.target is GATHER or (n.all_input_nodes and all(a in gathered for a in n.all_input_nodes))):
+        if n.op == "call_function" and (n.target in (GATHER, START) or (n.all_input_nodes and all(a in gathered for a in n.all_input_nodes))):
             gathered.add(n)
     return [n.name for n in gm.graph.output_node().args[0] if n in gathered]
 
@@ -141,9 +143,9 @@ def graphs(rank, world):
         call = compiled(m, how, backend=g.backend)
         x, y = batch(0, rank, world)
         F.mse_loss(call(x), y).backward()
-        out[(where, how)] = dict(
-            fw_gathers=_count(g.forward, GATHER), fw_releases=_count(g.forward, RELEASE),
-            bw_gathers=_count(g.backward, GATHER), bw_reduces=_count(g.backward, REDUCE),
+        out[(where, how)] = dict(  # a gather is one op, or a start and a wait (gather_prefetch)
+            fw_gathers=_count(g.forward, GATHER) + _count(g.forward, WAIT), fw_releases=_count(g.forward, RELEASE),
+            bw_gathers=_count(g.backward, GATHER) + _count(g.backward, WAIT), bw_reduces=_count(g.backward, REDUCE),
             saved_gathered=[s for gm in g.forward for s in _saved_gathered(gm)],
             trainable_groups=sum(1 for u in m._tracedac_zero.all_units for grp in u.groups if grp.requires_grad),
             groups=sum(len(u.groups) for u in m._tracedac_zero.all_units),
@@ -203,5 +205,154 @@ def several(rank, world, parts):
 
 
 def inductor(rank, world):
-    """One case compiled by inductor itself (its C++ compile is the slow part)."""
-    return equal_to_eager(rank, world, [("plain", "per-block", None)], backend="inductor")
+    """Compiled by inductor itself (its C++ compile is the slow part): per block, and whole
+    (each gather a start and a wait, the next unit's start moved ahead: gather_prefetch)."""
+    return equal_to_eager(rank, world, [("plain", "per-block", None), ("plain", "whole", None)], backend="inductor")
+
+
+class LinearBlock(torch.nn.Module):
+    """A unit of Linear layers only: under bf16 autocast every use of its gathered
+    parameters is a cast to bf16 (the bias too: autocast casts every input of ``linear``)."""
+
+    def __init__(self, d=w.D):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.lin2(F.gelu(self.lin1(x))).float()
+
+
+class LinearModel(torch.nn.Module):
+    def __init__(self, d=w.D):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([LinearBlock(d), LinearBlock(d)])
+        self.norm = torch.nn.LayerNorm(d)  # the root unit: read in fp32, never cast
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x)
+
+
+def _autocast_training(call, m, rank, world, steps=3):
+    """Losses, final parameters and all-gather bytes by dtype (counted at the process group)."""
+    from tracedac.bench.collectives import AllGatherCounter
+
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    losses, counter = [], AllGatherCounter()
+    with counter:
+        for step in range(steps):
+            x, y = batch(step, rank, world)
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = F.mse_loss(call(x).float().sum(-1), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, zero.full_state_dict(m), dict(counter.bytes)
+
+
+def fused_cast(rank, world):
+    """A fp32-sharded model compiled under bf16 autocast, with the gather-cast pass and with it
+    patched out: losses and parameters (must be bit-identical: a cast moved before a copy),
+    all-gather bytes by dtype, and the dtypes of the gathers in the forward and backward graphs."""
+    import tracedac.compile.gather_cast as gather_cast
+
+    out = {}
+    bf16 = zero.MixedPrecision(torch.bfloat16, torch.float32)
+    for fuse in (True, False, "mixed_precision"):
+        _fresh()
+        torch.manual_seed(0)
+        m = zero.shard(LinearModel(), mixed_precision=bf16 if fuse == "mixed_precision" else None)
+        saved = gather_cast.fuse_gather_casts
+        if not fuse:
+            gather_cast.fuse_gather_casts = lambda gm: gm
+        try:
+            g = Graphs()
+            call = torch.compile(m, fullgraph=True, backend=g.backend)
+            losses, sd, wire = _autocast_training(call, m, rank, world)
+        finally:
+            gather_cast.fuse_gather_casts = saved
+
+        def dtypes(gms):
+            return sorted(str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else "none"))
+                          for gm in gms for n in gm.graph.nodes if n.target in (GATHER, START))
+
+        out[fuse] = dict(losses=losses, sd=sd, wire=wire, forward=dtypes(g.forward), backward=dtypes(g.backward),
+                         casts_of_gathers=sum(1 for gm in g.forward for n in gm.graph.nodes
+                                              if n.target is torch.ops.prims.convert_element_type.default
+                                              and _from_gather(n)))
+    _fresh()
+    torch.manual_seed(0)
+    m = zero.shard(LinearModel(), mixed_precision=bf16)
+    try:  # mixed_precision compiled outside autocast: its forward hooks cannot run autocast
+        torch.compile(m, fullgraph=True, backend=BACKEND)(batch(0, rank, world)[0])
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 (dynamo wraps the ZeroError raised while tracing)
+        out["error"] = str(e)
+    _fresh()
+    return out
+
+
+def _from_gather(node) -> bool:
+    """Whether ``node`` reads a gather's output through views only."""
+    while node.all_input_nodes:
+        node = node.all_input_nodes[0]
+        if node.target in (GATHER, WAIT):
+            return True
+        if node.target not in (torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
+                               torch.ops.prims.convert_element_type.default):
+            return False
+    return False
+
+
+def auto_compiled(rank, world):
+    """The tests' model (LayerNorm, Linear and Block-owned parameters in each unit) compiled
+    whole under bf16 autocast, sharded plainly and with ``MixedPrecision("auto")``: losses,
+    wire bytes by dtype, and (auto) each gather's group name and dtype in the forward graph."""
+    out = {}
+    for name, mp in (("plain", None), ("auto", zero.MixedPrecision("auto"))):
+        _fresh()
+        m = zero.shard(w.model(), mixed_precision=mp)
+        g = Graphs()
+        losses, _, wire = _autocast_training(torch.compile(m, fullgraph=True, backend=g.backend), m, rank, world)
+        names = {grp.key: grp.name for grp in m._tracedac_zero.all_groups}
+        out[name] = dict(losses=losses, wire=wire, gathers=sorted(
+            (names[n.args[1]], str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else None)))
+            for gm in g.forward for n in gm.graph.nodes if n.target in (GATHER, START)))
+    _fresh()
+    return out
+
+
+def prefetch_order(rank, world):
+    """The whole model compiled, runtime prefetch off (``prefetch=False``): the forward graph's
+    sequence of starts, waits and compute, and the losses against eager ``zero.shard``."""
+    out = {}
+    _fresh()
+    g = Graphs()
+    m = zero.shard(w.model(), prefetch=False)
+    call = torch.compile(m, fullgraph=True, backend=g.backend)
+    losses, sd = train(m, call, rank, world)
+    eager = zero.shard(w.model(), prefetch=False)
+    want_losses, want_sd = train(eager, eager, rank, world)
+    seq = []
+    for n in g.forward[0].graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is START:
+            seq.append(("start", n.args[1]))
+        elif n.target is WAIT:
+            seq.append(("wait", n.args[1]))
+        elif n.target is GATHER:
+            seq.append(("gather", n.args[1]))
+        elif any(a.target is WAIT for a in n.all_input_nodes if a.op == "call_function"):
+            seq.append(("reads", next(a.args[1] for a in n.all_input_nodes if a.op == "call_function" and a.target is WAIT)))
+        else:
+            seq.append(("other", None))
+    out["seq"] = seq
+    out["units"] = [[grp.key for grp in u.groups] for u in m._tracedac_zero.all_units]
+    out["losses"] = max(abs(a - b) for a, b in zip(losses, want_losses))
+    out["params"] = w.max_diff(sd, want_sd)
+    out["bw_waits"] = _count(g.backward, WAIT)
+    _fresh()
+    return out

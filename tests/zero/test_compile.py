@@ -7,6 +7,7 @@ on CPU is slow, so the models are the zero tests' small ones.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from . import compile_workers as cw
 from .spawn import part, run_ranks
@@ -19,7 +20,8 @@ CASES = [("plain", "per-block", None), ("plain", "whole", None), ("wrap-before",
 def ranks(request):
     world = request.param
     cases = CASES if world == 1 else CASES[1:4]  # two ranks: the cases with regions and the whole model
-    parts = [("equal_to_eager", (cases,)), ("graphs", ()), ("dead_code", ()), ("memory", ())]
+    parts = [("equal_to_eager", (cases,)), ("graphs", ()), ("dead_code", ()), ("memory", ()), ("fused_cast", ()), ("auto_compiled", ()),
+             ("prefetch_order", ())]
     if world == 1:  # inductor's C++ compile is the slow part: one world size
         parts.append(("inductor", ()))
     return world, run_ranks(cw.several, world, parts, timeout=400)
@@ -79,3 +81,78 @@ def test_no_tensor_and_no_unit_leaks_over_ten_compiled_steps(ranks):
         # ten leaked units would be 10x one; gloo and Python hold some 40 KB more a step
         assert grown < 2 * unit_bytes, (grown, unit_bytes)
         assert live == 0
+
+
+def test_autocasts_downcast_of_a_gathered_parameter_moves_into_the_gather(ranks):
+    """``compile/gather_cast.py``: a unit whose every parameter autocast casts to bf16 gathers
+    bf16 (forward, and backward's gather again), with no cast of a gathered value left; the
+    root (a LayerNorm, read in fp32) still gathers fp32. Training is bit-identical to the same
+    compiled model without the pass, and the wire carries bf16 for the Linear units."""
+    for per_rank in _part(ranks, "fused_cast"):
+        fused, plain = per_rank[True], per_rank[False]
+        assert fused["losses"] == plain["losses"]
+        for k in plain["sd"]:
+            assert torch.equal(fused["sd"][k], plain["sd"][k]), k
+        assert fused["forward"] == ["torch.bfloat16", "torch.bfloat16", "torch.float32"], fused["forward"]
+        assert fused["backward"] == fused["forward"], fused["backward"]  # backward gathers each again
+        assert plain["forward"] == ["torch.float32"] * 3 and plain["casts_of_gathers"] == 8, plain
+        assert fused["casts_of_gathers"] == 0
+        assert set(plain["wire"]) - {"int64"} == {"float32"}  # int64: the ranks' order checks
+        # the Linear units' bytes halve; the root's (the LayerNorm) stay fp32
+        assert fused["wire"]["bfloat16"] * 2 + fused["wire"]["float32"] == plain["wire"]["float32"]
+
+
+def test_mixed_precision_compiles_inside_autocast_and_refuses_outside(ranks):
+    """``MixedPrecision`` runs low-precision modules under autocast from hooks, which a compiled
+    unit cannot hold: inside the caller's autocast it compiles (the Linear groups travel bf16,
+    as the fused fp32 groups do: bit-identical training), outside it is a ZeroError naming the
+    autocast to use."""
+    for per_rank in _part(ranks, "fused_cast"):
+        mixed, fused = per_rank["mixed_precision"], per_rank[True]
+        assert mixed["losses"] == fused["losses"]
+        assert mixed["wire"] == fused["wire"]
+        assert "torch.autocast('cpu', dtype=torch.bfloat16)" in per_rank["error"], per_rank["error"]
+
+
+def test_auto_dtype_compiled_gathers_every_linear_group_in_bf16(ranks):
+    """``MixedPrecision("auto")`` compiled: groups by module class let the pass move autocast's
+    cast into each Linear group's gather (sharded plainly, each unit's one trainable group mixes
+    LayerNorm and Linear parameters and travels fp32). The same losses; fewer fp32 bytes."""
+    for per_rank in _part(ranks, "auto_compiled"):
+        plain, auto = per_rank["plain"], per_rank["auto"]
+        assert auto["losses"] == plain["losses"]
+        linear = [d for name, d in auto["gathers"] if "Linear" in name]
+        assert linear and set(linear) == {"torch.bfloat16"}, auto["gathers"]
+        assert {d for name, d in auto["gathers"] if "Linear" not in name} == {"torch.float32"}, auto["gathers"]
+        # plainly only the root's group (all Linear) travels bf16
+        assert auto["wire"]["float32"] < 0.5 * plain["wire"]["float32"], per_rank
+        assert auto["wire"]["bfloat16"] > 2 * auto["wire"]["float32"]  # the Linear weights are most bytes
+
+
+def test_the_next_units_all_gather_is_issued_before_this_units_compute(ranks):
+    """``compile/gather_prefetch.py``: in a whole-model graph each gather is a start and a
+    wait, and unit k+1's starts come right after unit k's waits, before anything reads unit
+    k's parameters. With the runtime prefetch off the graph's order is the only prefetch;
+    training equals eager zero.shard, and backward still gathers every trainable unit again."""
+    for r in _part(ranks, "prefetch_order"):
+        seq = r["seq"]
+        assert not [k for kind, k in seq if kind == "gather"], seq  # every gather split
+        # units: runs of waits (starts may sit between them), in the order the forward runs them
+        units, run = [], None
+        for kind, k in seq:
+            if kind == "wait":
+                if run is None:
+                    run = []
+                    units.append(run)
+                run.append(k)
+            elif kind != "start":
+                run = None
+        assert len(units) >= 4, seq  # the root's embedding, three blocks (and the head's group)
+        for cur, nxt in zip(units, units[1:]):
+            first_read = min(i for i, (kind, k) in enumerate(seq) if kind == "reads" and k in cur)
+            last_wait = max(i for i, (kind, k) in enumerate(seq) if kind == "wait" and k in cur)
+            for k in nxt:
+                start = max(i for i, (kind, key) in enumerate(seq) if kind == "start" and key == k and i < first_read)
+                assert last_wait < start < first_read, (cur, nxt, seq)
+        assert r["losses"] < 1e-5 and r["params"] < 1e-5, r
+        assert r["bw_waits"] > 0

@@ -139,9 +139,9 @@ class GatherLog:
             log.starts += 1
             return log._start(flat, shard, dtype)
 
-        def gather(flat, shard):
+        def gather(flat, shard, dtype=None):
             log.prefetched += flat.pending is not None
-            out = log._gather(flat, shard)
+            out = log._gather(flat, shard, dtype)
             log.counts[flat.key] += 1
             log.refs.append(weakref.ref(out))
             return out

@@ -10,7 +10,8 @@ rest of the model (embeddings, final norm, head) forms the root unit.
   reference the others' losses are compared with.
 - ``tracedac``: ``tracedac.zero.shard``; bf16 with ``MixedPrecision(param_dtype=bf16,
   reduce_dtype=fp32)`` whose low-precision modules are ``nn.Linear`` and the model's
-  ``MoE`` (its parameters are the experts' matmul weights).
+  ``MoE`` (its parameters are the experts' matmul weights); ``tracedac_auto`` (and the
+  ``--compile`` rows) with ``MixedPrecision("auto")`` under ``torch.autocast``, no list.
 - ``fsdp2``: ``fully_shard`` on each block then the root, on a 1-D CPU ``DeviceMesh``;
   bf16 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. FSDP2's
   defaults otherwise (the root is not resharded after forward).
@@ -105,12 +106,21 @@ def _tracedac(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
 
 
 class _Autocast(Trainer):
-    """bf16 under compile: torch.autocast around the forward (``mixed_precision=`` spans two
-    hooks, which a compiled block cannot hold; the wire then carries fp32)."""
+    """bf16 with ``MixedPrecision("auto")``: torch.autocast around the forward, each parameter
+    traveling in the dtype the program computes with it there (eager: decided from the first
+    forward; compiled: the gather-cast pass)."""
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", torch.bfloat16):
             return self.model(idx, targets)
+
+
+def _tracedac_auto(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
+    """bf16 from the trace: ``MixedPrecision("auto")`` under the caller's autocast, no module list."""
+    from tracedac import zero
+
+    zero.shard(model, mixed_precision=zero.MixedPrecision("auto") if bf16 else None)
+    return (_Autocast if bf16 else Trainer)(model, _adamw(model))
 
 
 def _tracedac_checkpointed(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
@@ -120,7 +130,7 @@ def _tracedac_checkpointed(model: GPT, bf16: bool, per_rank_batch: int) -> Train
 
     for block in model.blocks:
         tracedac.checkpoint(block)
-    return _tracedac(model, bf16, per_rank_batch)
+    return _tracedac_auto(model, bf16, per_rank_batch)
 
 
 def _tracedac_compiled(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
@@ -130,10 +140,10 @@ def _tracedac_compiled(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
 
     for block in model.blocks:
         tracedac.checkpoint(block)
-    zero.shard(model)
+    trainer = _tracedac_auto(model, bf16, per_rank_batch)
     for block in model.blocks:
         block.compile(fullgraph=True)
-    return (_Autocast if bf16 else Trainer)(model, _adamw(model))
+    return trainer
 
 
 def _fsdp2_compiled(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
@@ -213,6 +223,7 @@ ZERO_VARIANTS: tuple[ZeroVariant, ...] = (
     ZeroVariant("fsdp2_fp32", "FSDP2 fp32", "fsdp2", False, _fsdp2),
     ZeroVariant("deepspeed_fp32", "DeepSpeed ZeRO-3 fp32", "deepspeed", False, _deepspeed, _no_deepspeed),
     ZeroVariant("tracedac_bf16", "tracedac.zero bf16", "tracedac", True, _tracedac),
+    ZeroVariant("tracedac_auto", "tracedac.zero bf16 auto (autocast)", "tracedac", True, _tracedac_auto),
     ZeroVariant("fsdp2_bf16", "FSDP2 bf16", "fsdp2", True, _fsdp2),
     ZeroVariant("deepspeed_bf16", "DeepSpeed ZeRO-3 bf16", "deepspeed", True, _deepspeed, _no_deepspeed),
 )
@@ -227,9 +238,9 @@ COMPILED_VARIANTS: tuple[ZeroVariant, ...] = (
     ZeroVariant("tracedacc_fp32", "tracedac.zero compiled fp32", "tracedac", False, _tracedac_compiled,
                 baseline="fsdp2c"),
     ZeroVariant("fsdp2c_fp32", "FSDP2 compiled fp32", "fsdp2", False, _fsdp2_compiled, baseline="fsdp2c"),
-    ZeroVariant("tracedac_bf16", "tracedac.zero eager bf16", "tracedac", True, _tracedac_checkpointed,
+    ZeroVariant("tracedac_bf16", "tracedac.zero eager bf16 auto", "tracedac", True, _tracedac_checkpointed,
                 baseline="fsdp2c"),
-    ZeroVariant("tracedacc_bf16", "tracedac.zero compiled bf16 (autocast)", "tracedac", True, _tracedac_compiled,
+    ZeroVariant("tracedacc_bf16", "tracedac.zero compiled bf16 auto", "tracedac", True, _tracedac_compiled,
                 baseline="fsdp2c"),
     ZeroVariant("fsdp2c_bf16", "FSDP2 compiled bf16", "fsdp2", True, _fsdp2_compiled, baseline="fsdp2c"),
 )

@@ -1,7 +1,9 @@
 """Registering the joint-graph passes, once, the first time dynamo traces a region or a gather.
 
-The passes: ``tag_regions`` (each region's policy), then ``tag_gathers`` (ZeRO-3's gathers
-and what is computed from them alone: recomputed in backward).
+The passes: ``fuse_gather_casts`` (autocast's downcast of a gathered parameter moved into
+ZeRO-3's gather), ``tag_regions`` (each region's policy), ``prefetch_gathers`` (each unit's
+all-gather started while the unit before it computes), then ``tag_gathers`` (ZeRO-3's
+gathers and what is computed from them alone: recomputed in backward).
 
 Nothing is registered at import: eager users never touch torch's compiler configuration.
 The pass is added beside any pass already set (a list for inductor; a chained function for
@@ -52,10 +54,12 @@ PASS = TagRegions()
 
 
 def _passes(gm):
+    from .gather_cast import fuse_gather_casts
+    from .gather_prefetch import prefetch_gathers
     from .tag_regions import tag_regions
     from .zero_tags import tag_gathers
 
-    return tag_gathers(tag_regions(gm))
+    return tag_gathers(prefetch_gathers(tag_regions(fuse_gather_casts(gm))))
 
 
 def _aot_pass(gm, joint_inputs):

@@ -4,7 +4,8 @@
 it writes ``meta["recompute"] = MUST_RECOMPUTE`` on
 
 - every ``tracedac::all_gather`` (a full unit of parameters; keeping it past the forward
-  would pin what ZeRO-3 exists to free), and
+  would pin what ZeRO-3 exists to free), or ``all_gather_start`` where ``gather_prefetch``
+  split it (its ``all_gather_wait`` reads the start alone: tagged by the rule below), and
 - every node computed from gathered parameters alone (the copy-out's views, transposes,
   an autocast's cast of the weight): saving one of those would pin a full parameter too.
 
@@ -29,15 +30,19 @@ def tag_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     from .tag_regions import _backward_nodes
 
     graph = gm.graph
-    gather = getattr(getattr(torch.ops, "tracedac", None), "all_gather", None)
-    if gather is None or not graph.find_nodes(op="call_function", target=gather.default):
+    ops = getattr(torch.ops, "tracedac", None)
+    if ops is None or not hasattr(ops, "all_gather"):
+        return gm
+    # whole, or split in two by gather_prefetch (the wait reads the start alone: tagged below)
+    starts = {ops.all_gather.default, ops.all_gather_start.default}
+    if not any(graph.find_nodes(op="call_function", target=t) for t in starts):
         return gm
     backward = _backward_nodes(graph)
     gathered: set = set()
     for n in graph.nodes:
         if n.op != "call_function" or n in backward:
             continue
-        if n.target is gather.default:
+        if n.target in starts:
             gathered.add(n)
         elif n.all_input_nodes and all(a in gathered for a in n.all_input_nodes):
             gathered.add(n)

@@ -1,8 +1,9 @@
 """ZeRO-3's three collectives as ``torch.library`` custom ops, and the flat groups they move.
 
-- ``tracedac::all_gather(shard, flat) -> full``: cast this rank's fp32 buffer into the
-  all-gather input (``pack_cast``, one fused pass), all-gather in the group's travel dtype,
-  and reorder rank-major into parameter after parameter (``layout``). Backward:
+- ``tracedac::all_gather(shard, flat, dtype=None) -> full``: cast this rank's fp32 buffer
+  into the all-gather input (``pack_cast``, one fused pass), all-gather in the group's travel
+  dtype (or ``dtype``: the compiled graph's cast moved into the gather by
+  ``compile/gather_cast.py``), and reorder rank-major into parameter after parameter (``layout``). Backward:
   ``reduce_scatter`` the full gradient and add it into the parameters' DTensor ``.grad``
   with ``accumulate_`` (or keep it unsharded while gradient sync is off).
 - ``tracedac::reduce_scatter(grad, flat) -> part``: this rank's part of the gradient summed
@@ -12,6 +13,10 @@
   forgets the one reference it held, so the storage goes with the last view.
 - ``tracedac::reduce_grad(grad, flat)``: the gather's backward, an op so that a compiled
   backward runs it rather than tracing its Python state (held gradients, ``.grad``).
+- ``tracedac::all_gather_start(shard, flat, dtype=None)`` / ``all_gather_wait(started, flat)``:
+  a gather in two, which ``compile/gather_prefetch.py`` puts in a compiled forward in place
+  of ``all_gather`` so that the next unit's all-gather is in flight during this unit's
+  compute. Forward only (the joint graph is already differentiated): no autograd of their own.
 
 ``release`` and ``reduce_grad`` return nothing and are registered effectful: compilers keep
 them, in order (dead-code elimination would drop an op whose result nobody reads).
@@ -67,7 +72,7 @@ class Prefetch:
     group's destruction.
     """
 
-    __slots__ = ("enabled", "backward", "current", "learned", "inflight", "queued")
+    __slots__ = ("enabled", "backward", "current", "learned", "inflight", "queued", "auto")
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -76,6 +81,7 @@ class Prefetch:
         self.learned: dict = {}  # backward: bool -> the order of that kind of pass, last time
         self.inflight: list = []  # groups with a prefetched gather started in this pass
         self.queued = False  # a drain is queued for the end of the running backward
+        self.auto = None  # the model's zero.auto.Auto, under MixedPrecision(param_dtype="auto")
 
     def begin(self, backward: bool) -> None:
         if self.backward is not None:
@@ -161,12 +167,24 @@ class FlatGroup:
         self.timeout = timeout
         self.state = state  # the model's Prefetch
         self.pending: _Pending | None = None
+        self.travel = dtype  # the dtype the last gather asked for: what a prefetch gathers in
         self.sync = True  # reduce-scatter gradients in backward (False: accumulate them unsharded)
         self.held: torch.Tensor | None = None  # the unsharded gradient accumulated while sync is off
         self.grad_buffer: torch.Tensor | None = None  # flat fp32 gradient that the .grad DTensors view
         self.grads: list = []
         self.summoned = False  # inside full_parameters(): the DTensors are swapped out
         self.local = self.leaf = None
+        self.auto = False  # MixedPrecision("auto"): dtype decided from the first forward (zero/auto.py)
+
+    def dtype_now(self) -> torch.dtype:
+        """The dtype to gather in now: the travel dtype, except that an ``"auto"`` group
+        decided low travels fp32 in a forward outside the autocast it was decided under (an
+        eval pass without autocast would otherwise meet bf16 weights with fp32 inputs)."""
+        if self.auto and self.dtype != torch.float32:
+            device = self.local.device.type
+            if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == self.dtype):
+                return torch.float32
+        return self.dtype
 
     def bind(self, local: torch.Tensor) -> None:
         """Make ``local`` the rank's buffer: new DTensor parameters over it, set on every module."""
@@ -226,7 +244,7 @@ class FlatGroup:
     def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> _Pending:
         """Start the all-gather of ``shard`` in the travel dtype (or ``dtype``), asynchronously."""
         self.agree("all-gather")
-        dtype = self.dtype if dtype is None else dtype
+        dtype = self.travel if dtype is None else dtype
         if dtype == shard.dtype:
             src = shard.detach()  # no cast: gather straight from the shard
         else:
@@ -236,14 +254,44 @@ class FlatGroup:
         work = _all_gather(out, src, group=self.group, async_op=True)
         return _Pending(work, out, src)
 
-    def gather(self, shard: torch.Tensor) -> torch.Tensor:
-        """The full parameters, parameter after parameter (``layout``): prefetched if started."""
+    def gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full parameters, parameter after parameter (``layout``), in the travel dtype (or
+        ``dtype``, and later prefetches with it): prefetched if started in that dtype."""
+        self.travel = dtype = self.dtype if dtype is None else dtype
         pending, self.pending = self.pending, None
+        if pending is not None and pending.out.dtype != dtype:  # started before the dtype changed
+            self.wait(pending.work, "all-gather (prefetched)")
+            pending = None
         if pending is None:
-            pending = self.start(shard)
+            pending = self.start(shard, dtype)
             self.wait(pending.work, "all-gather")
         else:
             self.wait(pending.work, "all-gather (prefetched)")
+        self._prefetch_next()
+        return to_param_major(pending.out, self.slices, self.world)
+
+    def begin_gather(self, shard: torch.Tensor, dtype: torch.dtype) -> _Pending:
+        """``all_gather_start``: the pending gather in ``dtype``, started now unless it is."""
+        self.travel = dtype
+        pending = self.pending
+        if pending is not None and pending.out.dtype != dtype:
+            self.wait(pending.work, "all-gather (prefetched)")
+            pending = None
+        if pending is None:
+            pending = self.pending = self.start(shard, dtype)
+            self.state.inflight.append(self)  # drained with its pass if no wait consumes it
+        return pending
+
+    def end_gather(self, started: torch.Tensor) -> torch.Tensor:
+        """``all_gather_wait``: finish the pending gather whose output is ``started``."""
+        pending = self.pending
+        if pending is None or pending.out.data_ptr() != started.data_ptr():
+            # Not the gather ``started`` names: it was drained at a pass's end (its forward
+            # and this wait fell in two passes) or replaced. Its data may predate an optimizer
+            # step: gather again now rather than read it.
+            return self.gather(self.leaf, started.dtype)
+        self.pending = None
+        self.wait(pending.work, "all-gather (started ahead)")
         self._prefetch_next()
         return to_param_major(pending.out, self.slices, self.world)
 
@@ -309,15 +357,16 @@ class FlatGroup:
 
 
 @torch.library.custom_op("tracedac::all_gather", mutates_args=())
-def all_gather(shard: torch.Tensor, flat: str) -> torch.Tensor:
-    """The full parameters of group ``flat``, parameter after parameter, in its travel dtype."""
-    return group_of(flat).gather(shard)
+def all_gather(shard: torch.Tensor, flat: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full parameters of group ``flat``, parameter after parameter, in its travel dtype
+    (or ``dtype``)."""
+    return group_of(flat).gather(shard, dtype)
 
 
 @all_gather.register_fake
-def _all_gather_fake(shard, flat):
+def _all_gather_fake(shard, flat, dtype=None):
     g = group_of(flat)
-    return shard.new_empty(g.world * g.shard_numel, dtype=g.dtype)
+    return shard.new_empty(g.world * g.shard_numel, dtype=g.dtype if dtype is None else dtype)
 
 
 def _all_gather_setup(ctx, inputs, output):
@@ -330,10 +379,41 @@ def _all_gather_backward(ctx, grad):
     torch.ops.tracedac.reduce_grad(grad, ctx.flat)
     # None: the gradient is in the parameters' .grad already (DTensors; the op's input is a
     # plain leaf over the same storage, which never gets a .grad).
-    return None, None
+    return None, None, None
 
 
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
+
+
+# --- gather, split in two (compiled graphs: compile/gather_prefetch.py) ----------------------
+
+
+@torch.library.custom_op("tracedac::all_gather_start", mutates_args=())
+def all_gather_start(shard: torch.Tensor, flat: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Start the all-gather ``all_gather(shard, flat, dtype)`` would run and return its
+    rank-major output buffer, still being written; ``all_gather_wait`` finishes it. A gather
+    already started in that dtype (by the runtime prefetch) is the one returned."""
+    g = group_of(flat)
+    return g.begin_gather(shard, g.dtype if dtype is None else dtype).out
+
+
+@all_gather_start.register_fake
+def _all_gather_start_fake(shard, flat, dtype=None):
+    g = group_of(flat)
+    return shard.new_empty(g.world * g.shard_numel, dtype=g.dtype if dtype is None else dtype)
+
+
+@torch.library.custom_op("tracedac::all_gather_wait", mutates_args=())
+def all_gather_wait(started: torch.Tensor, flat: str) -> torch.Tensor:
+    """Wait for the all-gather ``all_gather_start`` returned ``started`` for; the full
+    parameters, parameter after parameter, as ``all_gather`` returns them."""
+    full = group_of(flat).end_gather(started)
+    return full.clone() if full is started else full  # an op's result may not alias its input
+
+
+@all_gather_wait.register_fake
+def _all_gather_wait_fake(started, flat):
+    return torch.empty_like(started)
 
 
 @torch.library.custom_op("tracedac::reduce_grad", mutates_args=())
@@ -415,10 +495,11 @@ class Gathered:
     of the same graph (``retain_graph=True``) starts a new round and does the same.
     """
 
-    __slots__ = ("flat", "full", "alive", "remaining", "round", "cached", "__weakref__")
+    __slots__ = ("flat", "dtype", "full", "alive", "remaining", "round", "cached", "__weakref__")
 
     def __init__(self, flat: FlatGroup, full: torch.Tensor):
         self.flat = flat
+        self.dtype = full.dtype  # backward gathers in it again, whatever the group travels in by then
         self.full = full  # until release
         self.alive = 0  # handles not yet garbage collected
         self.remaining = 0  # of those, how many this round has not unpacked yet
@@ -434,7 +515,7 @@ class Gathered:
     def regather(self) -> torch.Tensor:
         if self.cached is None:
             with torch.no_grad():
-                self.cached = torch.ops.tracedac.all_gather(self.flat.leaf, self.flat.key)
+                self.cached = torch.ops.tracedac.all_gather(self.flat.leaf, self.flat.key, self.dtype)
         return self.cached
 
     def done(self, handle: Handle, dropped: bool) -> None:
@@ -476,7 +557,7 @@ class Handle:
 def handle_for(t: torch.Tensor) -> Handle | None:
     """A handle if ``t`` lives on a buffer gathered by a forward still running, else None."""
     entry = _LIVE.get(_address(t))
-    if entry is None or t.dtype != entry.flat.dtype:
+    if entry is None or t.dtype != entry.dtype:
         return None
     return entry.handle(t)
 
@@ -487,7 +568,7 @@ class _GatheredOwner:
 
     def owns(self, t: torch.Tensor) -> bool:
         entry = _LIVE.get(_address(t))
-        return entry is not None and t.dtype == entry.flat.dtype
+        return entry is not None and t.dtype == entry.dtype
 
     def handle(self, t: torch.Tensor) -> Handle | None:
         return handle_for(t)

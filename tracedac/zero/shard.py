@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint import current_region, module_matcher, tracing
 from ..compile.install import install_for_gather
+from .auto import Auto
 from .errors import ZeroError
 from .layout import FullViews, make_slices, spec_for
 from .ops import FlatGroup, Gathered, Handle, Prefetch, handle_for
@@ -42,16 +43,24 @@ class MixedPrecision:
     Only parameters of ``low_precision_modules`` instances are cast (used by no other kind
     of module), and those modules' forwards run under ``torch.autocast``; norms,
     embeddings and the rest stay fp32, as autocast would keep them.
+
+    ``param_dtype="auto"``: no module list. The caller runs the model under
+    ``torch.autocast``, and each parameter travels in the dtype the program computes with it
+    there, as the first forward shows (``zero/auto.py``) or, compiled, as the graph shows
+    (``compile/gather_cast.py``): a Linear weight in bf16, a LayerNorm weight in fp32, a
+    parameter read both ways in fp32. ``low_precision_modules`` is not used.
     """
 
-    param_dtype: torch.dtype = torch.bfloat16
+    param_dtype: torch.dtype | str = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
     low_precision_modules: tuple = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
     def __post_init__(self):
         for field, value in (("param_dtype", self.param_dtype), ("reduce_dtype", self.reduce_dtype)):
-            if value not in (torch.float32, torch.bfloat16, torch.float16):
-                raise TypeError(f"MixedPrecision({field}=...) takes torch.float32, bfloat16 or float16, got {value!r}")
+            if value not in (torch.float32, torch.bfloat16, torch.float16) and not (field == "param_dtype" and value == "auto"):
+                also = ' or "auto"' if field == "param_dtype" else ""
+                raise TypeError(f"MixedPrecision({field}=...) takes torch.float32, bfloat16 or float16{also}, "
+                                f"got {value!r}")
         mods = self.low_precision_modules
         if not isinstance(mods, tuple) or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in mods):
             raise TypeError(
@@ -90,6 +99,8 @@ class Unit:
             return  # the unit's instance forward gathers (_UnitForward)
         if self.state is not None:
             self.state.begin(backward=False)  # a new forward: its gathers count from 0 again
+            if self.state.auto is not None and not self.active:
+                self.state.auto.begin()  # "auto" dtypes: observe this forward, or decide
         self.enter()
 
     def post(self, module, args, output):
@@ -97,6 +108,8 @@ class Unit:
             self.exit()
             if self.state is not None and not self.active:
                 self.state.drain()  # the model's forward ended: a prefetch nobody used completes
+                if self.state.auto is not None:
+                    self.state.auto.end()
 
     def enter(self) -> None:
         """Gather the unit's groups and shadow each parameter attribute with its full view."""
@@ -106,10 +119,13 @@ class Unit:
                 "full parameters are plain tensors there and would not be gathered or reduced. "
                 "Run forward outside the with block."
             )
-        gathered = [Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key)) for g in self.groups]
+        gathered = [Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key, g.dtype_now())) for g in self.groups]
         views = [FullViews.apply(g.full, g.flat.world, tuple(g.flat.slices)) for g in gathered]
         for s in self.slots:
             s.module.__dict__[s.attr] = views[s.group][s.piece]
+        auto = self.groups[0].state.auto if self.groups else None
+        if auto is not None and auto.observer is not None:
+            auto.track(views, self.groups)
         hooks = None
         if (torch.is_grad_enabled() and current_region() is None
                 and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
@@ -127,7 +143,8 @@ class Unit:
         to be recomputed (``compile/zero_tags.py``), so backward gathers again. No
         ``Gathered`` entry and no saved-tensor hooks: the compiled code runs none of this."""
         install_for_gather()
-        fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key) for g in self.groups]
+        # dtype explicit: the graph keeps the dtype it was traced with if "auto" changes it later
+        fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key, dtype=g.dtype_now()) for g in self.groups]
         for s in self.slots:
             g = self.groups[s.group]
             # object.__setattr__ writes the instance __dict__ as below; dynamo tracks it as an
@@ -222,11 +239,16 @@ class _Autocast:
 
     def pre(self, module, args):
         if tracing(args):
+            if torch.is_autocast_enabled(self.device_type) and \
+                    torch.get_autocast_dtype(self.device_type) == self.dtype:
+                return  # the caller's autocast already covers it (and the compiler traced it)
             raise ZeroError(
                 "shard(mixed_precision=MixedPrecision(...)) runs its low-precision modules under "
                 "torch.autocast from forward hooks, which a compiler cannot trace as one context. "
-                "Under torch.compile, shard without mixed_precision and call the compiled model "
-                "inside torch.autocast(device_type, dtype=torch.bfloat16) instead."
+                "Under torch.compile, call the compiled model inside "
+                f"torch.autocast({self.device_type!r}, dtype={self.dtype}) (the parameters still "
+                "travel in param_dtype), or shard without mixed_precision: under autocast the "
+                "compiled graph's cast of a gathered parameter moves into the gather."
             )
         ctx = torch.autocast(self.device_type, dtype=self.dtype)
         ctx.__enter__()
@@ -263,6 +285,11 @@ class Sharded:
         """Run ``child``'s gathers in this model's order of gathers (one prefetch chain); name
         its groups from this model (``prefix``: the child's qualified name here)."""
         child.parent = self
+        if child.state.auto is not None:  # one "auto" decision for the whole model
+            if self.state.auto is None:
+                self.state.auto = child.state.auto
+            else:
+                self.state.auto.adopt(child.state.auto)
         for g in child.all_groups:
             g.state = self.state
             g.name = g.name.replace("unit '", f"unit '{prefix}.", 1).replace(".<root>'", "'", 1)
@@ -548,6 +575,8 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     # The root is hooked even with no parameters of its own: its forward marks a new step.
     active = [u for u in units_by_name.values() if u.slots or not u.name]
     units_by_name[""].state = state
+    if mixed_precision is not None and mixed_precision.param_dtype == "auto":
+        state.auto = Auto([g for u in units_by_name.values() for g in u.own], group)
     for unit in active:
         unit.module.register_forward_pre_hook(unit.pre)
         unit.module.register_forward_hook(unit.post, always_call=True)
@@ -564,7 +593,7 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
             m.register_forward_pre_hook(lazy.pre)
             m.register_forward_hook(lazy.post, always_call=True)
     mp = mixed_precision
-    if mp is not None:
+    if mp is not None and mp.param_dtype != "auto":
         autocast = _Autocast(device.type, mp.param_dtype)
         for m in {id(u.module): u.module for u in uses if isinstance(u.module, mp.low_precision_modules)}.values():
             m.register_forward_pre_hook(autocast.pre)
@@ -663,19 +692,21 @@ def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
     only if every module reading it is low precision.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    auto = mp is not None and mp.param_dtype == "auto"
     low: dict[int, bool] = {}
     for u in uses:
-        is_low = mp is not None and isinstance(u.module, mp.low_precision_modules)
+        is_low = mp is not None and not auto and isinstance(u.module, mp.low_precision_modules)
         low[id(u.param)] = low.get(id(u.param), True) and is_low
-    members: dict[tuple, list] = {}  # (unit, dtype, requires_grad) -> first uses, in order
+    members: dict[tuple, list] = {}  # (unit, dtype, requires_grad, module class) -> first uses, in order
     first: set[int] = set()
     for u in uses:
         if id(u.param) not in first:
             first.add(id(u.param))
             dtype = mp.param_dtype if low[id(u.param)] else torch.float32
-            members.setdefault((u.unit, dtype, u.param.requires_grad), []).append(u)
+            # "auto": one group per module class, each to travel in the dtype its uses show
+            members.setdefault((u.unit, dtype, u.param.requires_grad, type(u.module) if auto else None), []).append(u)
     owner = {}
-    for (name, dtype, requires_grad), firsts in members.items():
+    for (name, dtype, requires_grad, cls), firsts in members.items():
         unit = units[name]
         params = [u.param for u in firsts]
         slices, numel = make_slices([u.fqn for u in firsts], [p.shape for p in params], world, rank)
@@ -687,9 +718,12 @@ def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
         for s in slices:
             s.spec = spec_for(mesh, s.shape)
         kind = f"{'trainable' if requires_grad else 'frozen'} {str(dtype).removeprefix('torch.')}"
+        if cls is not None:
+            kind = f"{'trainable' if requires_grad else 'frozen'} {cls.__name__}, auto dtype"
         g = FlatGroup(f"unit {name or '<root>'!r} ({kind} parameters)", slices, numel, requires_grad, dtype,
                       mp.reduce_dtype if mp is not None else torch.float32, group, timeout, state)
         g.local = local  # bound (DTensors made) once _attach knows every place each is held
+        g.auto = cls is not None
         for piece, p in enumerate(params):
             owner[id(p)] = (g, piece)
             # The replaced Parameter remembers where it went: a later shard() of an enclosing

@@ -1,0 +1,82 @@
+"""What each rank runs in the ``MixedPrecision(param_dtype="auto")`` tests (spawned: top-level).
+
+Oracles: the module-list ``MixedPrecision()`` (Linear parameters in bf16, by a list the user
+writes) trained the same way, and the bytes every all-gather moves at the process group
+(``GatherLog``, below the library's ops).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tracedac.zero as zero
+
+from . import workers as w
+
+
+def _train(m, rank, world, steps=3):
+    """Losses and all-gather bytes per step, each forward under bf16 autocast."""
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    losses, wire = [], []
+    for step in range(steps):
+        x, y = w.rank_batch(step, rank, world)
+        log = w.GatherLog()
+        try:
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = F.mse_loss(m(x).float(), y)
+            loss.backward()
+        finally:
+            log.close()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        wire.append(log.bytes)
+    return losses, wire
+
+
+def _dtypes(m) -> dict:
+    """Each group's name -> its travel dtype."""
+    return {g.name: str(g.dtype).removeprefix("torch.") for g in m._tracedac_zero.all_groups}
+
+
+def eager(rank, world):
+    """``"auto"`` against the module list: the same losses and parameters (a cast moved before
+    the gather changes no bit), the wire after the first step equal, and the decision."""
+    listed = zero.shard(w.model(), mixed_precision=zero.MixedPrecision())
+    auto = zero.shard(w.model(), mixed_precision=zero.MixedPrecision("auto"))
+    first = _dtypes(auto)
+    want_losses, want_wire = _train(listed, rank, world)
+    losses, wire = _train(auto, rank, world)
+    params = w.max_diff(zero.full_state_dict(auto), zero.full_state_dict(listed))
+    # an eval pass without autocast after the decision: bf16 groups gather fp32 there
+    plain = w.model()
+    plain.load_state_dict(zero.full_state_dict(auto))
+    x, _ = w.rank_batch(0, rank, world)
+    with torch.no_grad():
+        eval_diff = (auto(x) - plain(x)).abs().max().item()
+    return dict(first=first, decided=_dtypes(auto), losses=(losses, want_losses), wire=(wire, want_wire),
+                params=params, eval_diff=eval_diff)
+
+
+class Divergent(nn.Module):
+    """One Linear whose weight rank 0 reads through a matmul (autocast casts it) and rank 1
+    reads as it is (a sum): only an agreement between ranks keeps their gathers matching."""
+
+    def __init__(self, rank):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(w.D, w.D)
+        self.rank = rank
+
+    def forward(self, x):
+        if self.rank == 0:
+            return self.lin(x).float().sum(-1)
+        return (x * self.lin.weight.sum() + self.lin.bias.sum()).sum(-1)
+
+
+def divergent(rank, world):
+    m = zero.shard(Divergent(rank), mixed_precision=zero.MixedPrecision("auto"))
+    losses, wire = _train(m, rank, world)
+    return _dtypes(m), losses

@@ -1,0 +1,47 @@
+"""``MixedPrecision(param_dtype="auto")``, eager, on real gloo groups of 1 and 2 ranks: each
+group travels in the dtype the program computes its parameters in under autocast, decided
+from the first forward by every rank together. (Compiled: tests/zero/test_compile.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+import tracedac.zero as zero
+
+from . import auto_workers as aw
+from .spawn import run_ranks
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_auto_decides_from_the_first_forward_and_trains_as_the_module_list(world):
+    for r in run_ranks(aw.eager, world, timeout=120):
+        assert set(r["first"].values()) == {"float32"}  # nothing decided before a forward
+        decided = r["decided"]
+        linear = {n: d for n, d in decided.items() if "Linear" in n}
+        assert linear and set(linear.values()) == {"bfloat16"}, decided  # weights and biases: cast by autocast
+        assert {d for n, d in decided.items() if "Linear" not in n} == {"float32"}, decided  # LayerNorm, Block's own
+        losses, want = r["losses"]
+        assert losses == want
+        assert r["params"] == 0.0
+        assert r["eval_diff"] < 1e-5  # without autocast a bf16-decided group gathers fp32: fp32 results
+        wire, want_wire = r["wire"]
+        # the first step gathers fp32 while it observes (and backward then regathers no Linear:
+        # autograd saved autocast's bf16 copies); from the second on, the list's bytes, up to
+        # grouping (auto groups by module class: Block's own `odd`, which backward does not
+        # read, is no longer in the LayerNorms' group that backward gathers again)
+        assert wire[0] != want_wire[0]
+        for got, want_bytes in zip(wire[1:], want_wire[1:], strict=True):
+            assert abs(got - want_bytes) <= 0.02 * want_bytes, (wire, want_wire)
+
+
+def test_ranks_that_read_a_parameter_differently_agree_on_fp32():
+    """Rank 0 only casts the weight, rank 1 reads it as it is: both decide fp32 (one
+    all-reduce of what each saw), so their gathers keep matching and training goes on."""
+    (d0, l0), (d1, l1) = run_ranks(aw.divergent, 2, timeout=120)
+    assert d0 == d1 and set(d0.values()) == {"float32"}, (d0, d1)
+    assert len(l0) == len(l1) == 3
+
+
+def test_an_unknown_param_dtype_names_auto():
+    with pytest.raises(TypeError, match='"auto"'):
+        zero.MixedPrecision(param_dtype="bf16")
