@@ -202,12 +202,13 @@ def _tag(view, wanted: set, ac_graph_id: int, nodes: list) -> None:
                 else PREFER_RECOMPUTE
             n.meta["ac_graph_id"] = ac_graph_id
     for n in nodes:
-        # A multi-output op's tuple cannot be saved, only its getitems: an op MUST_SAVE with a
-        # getitem to recompute has no partition (torch raises "cannot save: non-tensor
-        # output"; met at the bench's default size under inductor), so it becomes PREFER_SAVE.
+        # A multi-output op's tuple cannot be saved, only its getitems, and inductor's
+        # partitioner replays only ops on its allowlist (not topk): an op MUST_SAVE with a
+        # getitem to recompute had no partition ("cannot save: non-tensor output", met at the
+        # bench's default size under inductor). The getitem may then be saved (PREFER_SAVE).
         if n.target is operator.getitem and n.args[0].meta.get("recompute") is MUST_SAVE \
                 and not is_save(n.meta.get("recompute")):
-            n.args[0].meta["recompute"] = n.args[0].meta[DECISION] = PREFER_SAVE
+            n.meta["recompute"] = n.meta[DECISION] = PREFER_SAVE
 
 
 def tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
