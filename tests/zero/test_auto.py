@@ -42,6 +42,15 @@ def test_ranks_that_read_a_parameter_differently_agree_on_fp32():
     assert len(l0) == len(l1) == 3
 
 
+def test_a_weight_read_both_ways_travels_fp32_eager_and_compiled():
+    """A tied embedding/output weight: the lookup reads it as it is, the projection's matmul
+    casts it. Its group (the Embedding's) stays fp32; the Linear's group goes bf16."""
+    (r,) = run_ranks(aw.tied, 1, timeout=120)
+    for how in ("eager", "compiled"):
+        got = {name.split("(")[1].split(",")[0]: dtype.removeprefix("torch.") for name, dtype in r[how].items()}
+        assert got == {"trainable Embedding": "float32", "trainable Linear": "bfloat16"}, (how, r[how])
+
+
 def test_an_unknown_param_dtype_names_auto():
     with pytest.raises(TypeError, match='"auto"'):
         zero.MixedPrecision(param_dtype="bf16")
