@@ -121,3 +121,18 @@ def tied(rank, world):
                        for gm in g.forward for n in gm.graph.nodes if n.target in (GATHER, START)}
     torch._dynamo.reset()
     return out
+
+
+def nested(rank, world):
+    """Each block sharded, then the model (FSDP2's pattern), "auto" at either level or both:
+    (inner, outer) -> {(group kind, dtype)} after three steps under autocast."""
+    out = {}
+    for inner, outer in (("auto", "auto"), (None, "auto"), ("auto", None)):
+        m = w.model()
+        for b in m.blocks:
+            zero.shard(b, mixed_precision=zero.MixedPrecision("auto") if inner else None)
+        zero.shard(m, mixed_precision=zero.MixedPrecision("auto") if outer else None)
+        _train(m, rank, world)
+        out[(inner, outer)] = {(g.name.split("(")[1].rstrip(")"), str(g.dtype).removeprefix("torch."))
+                               for g in m._tracedac_zero.all_groups}
+    return out

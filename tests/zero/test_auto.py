@@ -51,6 +51,18 @@ def test_a_weight_read_both_ways_travels_fp32_eager_and_compiled():
         assert got == {"trainable Embedding": "float32", "trainable Linear": "bfloat16"}, (how, r[how])
 
 
+def test_auto_composes_with_nested_shards():
+    """``shard(block)`` for each block, then ``shard(model)``: "auto" at the inner level, the
+    outer or both is decided once for the whole model (the root's forward), on two ranks."""
+    for r in run_ranks(aw.nested, 2, timeout=120):
+        for levels, groups in r.items():
+            auto = {(kind, dtype) for kind, dtype in groups if "auto" in kind}
+            assert ("trainable Linear, auto dtype parameters", "bfloat16") in auto, (levels, groups)
+            assert {d for kind, d in auto if "Linear" not in kind} <= {"float32"}, (levels, groups)
+            plain = {d for kind, d in groups if "auto" not in kind}  # the level sharded without auto
+            assert plain <= {"float32"}, (levels, groups)
+
+
 def test_an_unknown_param_dtype_names_auto():
     with pytest.raises(TypeError, match='"auto"'):
         zero.MixedPrecision(param_dtype="bf16")
