@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .decisions import decision, is_save
 from .graph import human_bytes
 from .inspect import record
 from .planners import MemoryBudget, Planner, closure, problem, region_values
-from .policies import decision, either, is_save, memory_budget, recompute_all, save_all, save_matmuls
+from .policies import either, memory_budget, recompute_all, save_all, save_matmuls
 
 __all__ = ["TradeOff", "TradeOffRow", "trade_off"]
 

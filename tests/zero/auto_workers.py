@@ -80,3 +80,59 @@ def divergent(rank, world):
     m = zero.shard(Divergent(rank), mixed_precision=zero.MixedPrecision("auto"))
     losses, wire = _train(m, rank, world)
     return _dtypes(m), losses
+
+
+class Tied(nn.Module):
+    """An embedding whose weight is also the output projection's (read as it is by the lookup,
+    cast by autocast for the matmul), beside a plain Linear."""
+
+    def __init__(self, vocab=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, w.D)
+        self.lin = nn.Linear(w.D, w.D)
+        self.head = nn.Linear(w.D, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx):
+        return self.head(self.lin(self.embed(idx))).float()
+
+
+def tied(rank, world):
+    """The dtypes "auto" decides for the tied weight and the Linear, eager and compiled."""
+    import torch._dynamo
+
+    from .compile_workers import GATHER, START, Graphs
+
+    out = {}
+    idx = torch.arange(8).view(2, 4)
+    m = zero.shard(Tied(), mixed_precision=zero.MixedPrecision("auto"))
+    for _ in range(2):
+        with torch.autocast("cpu", torch.bfloat16):
+            m(idx).sum().backward()
+    out["eager"] = _dtypes(m)
+    torch._dynamo.reset()
+    m = zero.shard(Tied(), mixed_precision=zero.MixedPrecision("auto"))
+    g = Graphs()
+    with torch.autocast("cpu", torch.bfloat16):
+        torch.compile(m, fullgraph=True, backend=g.backend)(idx).sum().backward()
+    names = {grp.key: grp.name for grp in m._tracedac_zero.all_groups}
+    out["compiled"] = {names[n.args[1]]: str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else None))
+                       for gm in g.forward for n in gm.graph.nodes if n.target in (GATHER, START)}
+    torch._dynamo.reset()
+    return out
+
+
+def nested(rank, world):
+    """Each block sharded, then the model (FSDP2's pattern), "auto" at either level or both:
+    (inner, outer) -> {(group kind, dtype)} after three steps under autocast."""
+    out = {}
+    for inner, outer in (("auto", "auto"), (None, "auto"), ("auto", None)):
+        m = w.model()
+        for b in m.blocks:
+            zero.shard(b, mixed_precision=zero.MixedPrecision("auto") if inner else None)
+        zero.shard(m, mixed_precision=zero.MixedPrecision("auto") if outer else None)
+        _train(m, rank, world)
+        out[(inner, outer)] = {(g.name.split("(")[1].rstrip(")"), str(g.dtype).removeprefix("torch."))
+                               for g in m._tracedac_zero.all_groups}
+    return out

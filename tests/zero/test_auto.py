@@ -42,6 +42,27 @@ def test_ranks_that_read_a_parameter_differently_agree_on_fp32():
     assert len(l0) == len(l1) == 3
 
 
+def test_a_weight_read_both_ways_travels_fp32_eager_and_compiled():
+    """A tied embedding/output weight: the lookup reads it as it is, the projection's matmul
+    casts it. Its group (the Embedding's) stays fp32; the Linear's group goes bf16."""
+    (r,) = run_ranks(aw.tied, 1, timeout=120)
+    for how in ("eager", "compiled"):
+        got = {name.split("(")[1].split(",")[0]: dtype.removeprefix("torch.") for name, dtype in r[how].items()}
+        assert got == {"trainable Embedding": "float32", "trainable Linear": "bfloat16"}, (how, r[how])
+
+
+def test_auto_composes_with_nested_shards():
+    """``shard(block)`` for each block, then ``shard(model)``: "auto" at the inner level, the
+    outer or both is decided once for the whole model (the root's forward), on two ranks."""
+    for r in run_ranks(aw.nested, 2, timeout=120):
+        for levels, groups in r.items():
+            auto = {(kind, dtype) for kind, dtype in groups if "auto" in kind}
+            assert ("trainable Linear, auto dtype parameters", "bfloat16") in auto, (levels, groups)
+            assert {d for kind, d in auto if "Linear" not in kind} <= {"float32"}, (levels, groups)
+            plain = {d for kind, d in groups if "auto" not in kind}  # the level sharded without auto
+            assert plain <= {"float32"}, (levels, groups)
+
+
 def test_an_unknown_param_dtype_names_auto():
     with pytest.raises(TypeError, match='"auto"'):
         zero.MixedPrecision(param_dtype="bf16")

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch._library.effects import EffectType
 
 from ..checkpoint import REBUILDERS
+from ..decisions import recompute_by_default
 from ..ops import accumulate_, pack_cast
-from ..policies import recompute_by_default
 from ..trace import _address
 from .errors import ZeroError
 from .layout import dtensor, parameter, to_param_major, to_rank_major
