@@ -153,7 +153,11 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later: set =
             if n.name in baseline:
                 base.update((x.group, 0) for x in (m if isinstance(m, tuple) else (m,))
                             if x is not None and graph.groups[x.group].creator is not None)
-        p = problem(graph, base)
+        # Priced on what backward really reads (``wanted``, which the tags make the
+        # partitioner rebuild from what is kept: a residual sum its layer norm's backward
+        # reads is rebuilt through the projection before it), chosen among both.
+        p = problem(graph, base | wanted)
+        p.full = sum(graph.groups[g].nbytes for g in {g for g, _ in base})
     else:
         p = problem(graph, wanted)
     if isinstance(planner, MemoryBudget):
@@ -197,6 +201,14 @@ def _tag(view, wanted: set, ac_graph_id: int, nodes: list) -> None:
             n.meta["recompute"] = base.meta.get("recompute", PREFER_RECOMPUTE) if base is not None \
                 else PREFER_RECOMPUTE
             n.meta["ac_graph_id"] = ac_graph_id
+    for n in nodes:
+        # A multi-output op's tuple cannot be saved, only its getitems, and inductor's
+        # partitioner replays only ops on its allowlist (not topk): an op MUST_SAVE with a
+        # getitem to recompute had no partition ("cannot save: non-tensor output", met at the
+        # bench's default size under inductor). The getitem may then be saved (PREFER_SAVE).
+        if n.target is operator.getitem and n.args[0].meta.get("recompute") is MUST_SAVE \
+                and not is_save(n.meta.get("recompute")):
+            n.meta["recompute"] = n.meta[DECISION] = PREFER_SAVE
 
 
 def tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
