@@ -37,7 +37,6 @@ from .graph import Node, RegionGraph, human_bytes, walk
 
 __all__ = [
     "MemoryBudget", "MinCut", "Planner", "Problem", "bundles_of", "closure", "costs", "knapsack", "min_cut_keep", "node_cost", "problem",
-    "replay_cost",
 ]
 
 # The dynamic program's table has at most this many capacity cells; beyond it, bytes are
@@ -133,21 +132,6 @@ def costs(graph: RegionGraph, bundles: list[list[int]], cost="flops", items=None
             total = (0, 0) if cost == "flops" else (0,)
         out.append((*total, len(run)))
     return out
-
-
-def replay_cost(graph: RegionGraph, wanted, kept, cost="flops", memo=None) -> tuple:
-    """What replay runs to rebuild ``wanted`` when the groups in ``kept`` are held: the
-    components of ``node_cost`` summed over ``closure``'s nodes, then their number. Exact
-    for one choice, chains included (a node two replayed values read is counted once)."""
-    memo = {} if memo is None else memo
-    run = closure(graph, wanted, kept)
-    total = (0, 0) if cost == "flops" else (0,)
-    for i in run:
-        c = memo.get(i)
-        if c is None:
-            c = memo[i] = node_cost(graph.nodes[i], cost, graph.times)
-        total = tuple(x + y for x, y in zip(total, c))
-    return (*total, len(run))
 
 
 # --- the knapsack -------------------------------------------------------------------------

@@ -28,8 +28,8 @@ def test_a_sweep_on_the_quick_model_spans_torchs_extremes_and_places_tracedacs_b
 
 
 def test_a_compiled_budget_replays_no_more_than_its_plan_priced(monkeypatch):
-    """The plan's exact price (``planners.replay_cost`` of what backward reads, given what it
-    keeps) bounds what torch's partitioner then replays. Priced on the values the untagged
+    """The plan's exact price (the FLOPs of ``closure``'s nodes: what replay runs to rebuild
+    what backward reads, given what the plan keeps) bounds what torch's partitioner replays. Priced on the values the untagged
     partition saves only, the plan missed a residual sum that the layer norm's backward reads:
     the tags make the partitioner rebuild it through the attention's output projection
     (priced 0.25 MFLOP, replayed 0.66)."""
@@ -44,7 +44,8 @@ def test_a_compiled_budget_replays_no_more_than_its_plan_priced(monkeypatch):
 
     def spy(self, p):
         keep = choose(self, p)
-        priced.append(planners.replay_cost(p.graph, p.wanted, set(keep))[0])
+        run = planners.closure(p.graph, p.wanted, set(keep))  # what replay runs for this choice
+        priced.append(sum(planners.node_cost(p.graph.nodes[i])[0] for i in run))
         return keep
 
     monkeypatch.setattr(planners.MemoryBudget, "choose", spy)
