@@ -26,8 +26,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .errors import CheckpointError
 
 __all__ = [
-    "MATMUL_OPS", "MUST_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE", "PREFER_SAVE", "RECOMPUTE_OPS",
-    "decision", "is_save", "recompute_by_default", "resolve",
+    "LOW_DTYPES", "MATMUL_OPS", "MUST_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE", "PREFER_SAVE", "RECOMPUTE_OPS",
+    "cast_dtype", "decision", "is_save", "recompute_by_default", "resolve",
 ]
 
 MUST_SAVE = CheckpointPolicy.MUST_SAVE
@@ -90,3 +90,19 @@ def resolve(policy, node, constant=None) -> CheckpointPolicy:
 
 def is_save(d: CheckpointPolicy) -> bool:
     return d is MUST_SAVE or d is PREFER_SAVE
+
+
+# The dtypes autocast computes in below fp32: what a ZeRO-3 group may travel in instead.
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def cast_dtype(op, args, kwargs) -> torch.dtype | None:
+    """The dtype ``op(*args, **kwargs)`` casts its one input to, if it is a plain cast
+    (autocast's ``_to_copy(t, dtype=...)``, or ``prims.convert_element_type`` after
+    decomposition); else None. Asked of dispatched ops (``zero/auto.py``'s observer) and of FX
+    nodes (``compile/gather_cast.py``)."""
+    if op is torch.ops.prims.convert_element_type.default:
+        return args[1]
+    if op is torch.ops.aten._to_copy.default and len(args) == 1 and set(kwargs) <= {"dtype"}:
+        return kwargs.get("dtype")
+    return None

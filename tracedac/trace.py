@@ -8,6 +8,7 @@ popped when it ends, so code outside regions runs with no mode and no cost.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -238,8 +239,14 @@ def _dynamo_off():
     if eval_frame is None:
         return None
     callback = torch._C._dynamo.eval_frame.set_eval_frame(None)
-    stance = eval_frame._set_stance(eval_frame.DynamoStance(stance="force_eager"))
+    stance = eval_frame._set_stance(_force_eager(eval_frame))
     return eval_frame, callback, stance
+
+
+@functools.cache
+def _force_eager(eval_frame):
+    """Dynamo's force_eager stance, made once (a region is entered at every call)."""
+    return eval_frame.DynamoStance(stance="force_eager")
 
 
 def _dynamo_restore(state) -> None:

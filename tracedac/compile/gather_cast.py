@@ -30,19 +30,10 @@ import operator
 
 import torch
 
+from ..decisions import LOW_DTYPES, cast_dtype
+from .zero_tags import zero_op
+
 __all__ = ["fuse_gather_casts"]
-
-_LOW = (torch.bfloat16, torch.float16)
-
-
-def _cast_dtype(node) -> torch.dtype | None:
-    """The dtype ``node`` casts its input to, if it is a plain cast (no device or layout change)."""
-    if node.target is torch.ops.prims.convert_element_type.default:
-        return node.args[1]
-    if node.target is torch.ops.aten._to_copy.default and not node.args[1:] \
-            and set(node.kwargs) <= {"dtype"}:
-        return node.kwargs.get("dtype")
-    return None
 
 
 def _is_view(user, node) -> bool:
@@ -55,7 +46,7 @@ def _is_view(user, node) -> bool:
 
 
 def _is_release(node) -> bool:
-    release = torch.ops.tracedac.release.default
+    release = zero_op("release")
     return node.target is release or (
         node.target is torch.ops.higher_order.with_effects and len(node.args) > 1 and node.args[1] is release)
 
@@ -73,7 +64,7 @@ def _uses(gather, backward) -> tuple[list, list] | None:
             if _is_view(user, node):
                 views.append(user)
                 todo.append(user)
-            elif _cast_dtype(user) is not None:
+            elif cast_dtype(user.target, user.args, user.kwargs) is not None:
                 casts.append(user)
             else:
                 return None
@@ -96,8 +87,8 @@ def _retyped(node, dtype) -> None:
 def fuse_gather_casts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     from .tag_regions import _backward_nodes
 
-    gather = getattr(getattr(torch.ops, "tracedac", None), "all_gather", None)
-    gathers = gm.graph.find_nodes(op="call_function", target=gather.default) if gather else []
+    gather = zero_op("all_gather")
+    gathers = gm.graph.find_nodes(op="call_function", target=gather) if gather is not None else []
     if not gathers:
         return gm
     backward = _backward_nodes(gm.graph)
@@ -109,8 +100,8 @@ def fuse_gather_casts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if found is None:
             continue
         views, casts = found
-        dtypes = {_cast_dtype(c) for c in casts}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _LOW:
+        dtypes = {cast_dtype(c.target, c.args, c.kwargs) for c in casts}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in LOW_DTYPES:
             continue
         dtype = dtypes.pop()
         val = node.meta.get("val")

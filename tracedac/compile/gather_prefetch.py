@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from .zero_tags import zero_op
+
 __all__ = ["prefetch_gathers"]
 
 
@@ -53,12 +55,11 @@ def _units(graph: torch.fx.Graph, gather, backward: set) -> list[list]:
 def prefetch_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     from .tag_regions import _backward_nodes
 
-    ops = getattr(torch.ops, "tracedac", None)
-    gather = getattr(ops, "all_gather", None)
-    if gather is None or not gm.graph.find_nodes(op="call_function", target=gather.default):
+    gather = zero_op("all_gather")
+    if gather is None or not gm.graph.find_nodes(op="call_function", target=gather):
         return gm
     graph = gm.graph
-    units = _units(graph, gather.default, _backward_nodes(graph))
+    units = _units(graph, gather, _backward_nodes(graph))
     if len(units) < 2:
         return gm
     split = []  # per unit: [(start, wait)]
@@ -66,8 +67,8 @@ def prefetch_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         pairs = []
         for g in unit:
             with graph.inserting_before(g):
-                start = graph.call_function(ops.all_gather_start.default, g.args, dict(g.kwargs))
-                wait = graph.call_function(ops.all_gather_wait.default, (start, g.args[1]))
+                start = graph.call_function(zero_op("all_gather_start"), g.args, dict(g.kwargs))
+                wait = graph.call_function(zero_op("all_gather_wait"), (start, g.args[1]))
             # the same value (rank-major and param-major buffers have one shape) and region tags;
             # not the wait's traced arguments (inductor checks them against its schema)
             start.meta = dict(g.meta)

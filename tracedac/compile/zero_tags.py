@@ -23,18 +23,22 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["tag_gathers"]
+__all__ = ["tag_gathers", "zero_op"]
+
+
+def zero_op(name: str):
+    """``torch.ops.tracedac.<name>.default``, or None while ``tracedac.zero`` was never imported
+    (its ops are registered then: no graph can hold one). For the ZeRO-3 graph passes."""
+    packet = getattr(getattr(torch.ops, "tracedac", None), name, None)
+    return None if packet is None else packet.default
 
 
 def tag_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     from .tag_regions import _backward_nodes
 
     graph = gm.graph
-    ops = getattr(torch.ops, "tracedac", None)
-    if ops is None or not hasattr(ops, "all_gather"):
-        return gm
     # whole, or split in two by gather_prefetch (the wait reads the start alone: tagged below)
-    starts = {ops.all_gather.default, ops.all_gather_start.default}
+    starts = {op for op in (zero_op("all_gather"), zero_op("all_gather_start")) if op is not None}
     if not any(graph.find_nodes(op="call_function", target=t) for t in starts):
         return gm
     backward = _backward_nodes(graph)

@@ -30,17 +30,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..decisions import LOW_DTYPES, cast_dtype
+
 __all__ = ["Auto", "Observer"]
 
-_LOW = (torch.bfloat16, torch.float16)
 _FULL = 0  # note columns: read as it is, cast to bf16, cast to fp16
-
-
-def _cast_to(func, args, kwargs) -> torch.dtype | None:
-    """The dtype of a plain cast (autocast's ``_to_copy(t, dtype=...)``), else None."""
-    if func is torch.ops.aten._to_copy.default and len(args) == 1 and set(kwargs) <= {"dtype"}:
-        return kwargs.get("dtype")
-    return None
 
 
 class Observer(TorchDispatchMode):
@@ -79,14 +73,14 @@ class Observer(TorchDispatchMode):
         hit = [i for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and (i := self._group(a)) is not None]
         if hit:
             notes = self.auto.notes
-            dtype = _cast_to(func, args, kwargs)
+            dtype = cast_dtype(func, args, kwargs)
             if func.is_view:  # a view reads nothing: follow it
                 for o in tree_leaves(out):
                     if isinstance(o, torch.Tensor):
                         self.track(o, hit[0])
-            elif dtype in _LOW:
+            elif dtype in LOW_DTYPES:
                 for i in hit:
-                    notes[i][1 + _LOW.index(dtype)] = 1
+                    notes[i][1 + LOW_DTYPES.index(dtype)] = 1
             else:
                 for i in hit:
                     notes[i][_FULL] = 1
@@ -147,6 +141,6 @@ class Auto:
             dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.process_group)
             notes = notes.cpu()
         for g, (full, bf16, fp16) in zip(self.groups, notes.tolist()):
-            low = [d for d, seen in zip(_LOW, (bf16, fp16)) if seen]
+            low = [d for d, seen in zip(LOW_DTYPES, (bf16, fp16)) if seen]
             g.dtype = g.travel = low[0] if not full and len(low) == 1 else torch.float32
         self.pending = False

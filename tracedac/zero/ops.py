@@ -257,24 +257,15 @@ class FlatGroup:
     def gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full parameters, parameter after parameter (``layout``), in the travel dtype (or
         ``dtype``, and later prefetches with it): prefetched if started in that dtype."""
-        self.travel = dtype = self.dtype if dtype is None else dtype
-        pending, self.pending = self.pending, None
-        if pending is not None and pending.out.dtype != dtype:  # started before the dtype changed
-            self.wait(pending.work, "all-gather (prefetched)")
-            pending = None
-        if pending is None:
-            pending = self.start(shard, dtype)
-            self.wait(pending.work, "all-gather")
-        else:
-            self.wait(pending.work, "all-gather (prefetched)")
-        self._prefetch_next()
-        return to_param_major(pending.out, self.slices, self.world)
+        started = self.begin_gather(shard, self.dtype if dtype is None else dtype)
+        return self.end_gather(started.out)
 
     def begin_gather(self, shard: torch.Tensor, dtype: torch.dtype) -> _Pending:
-        """``all_gather_start``: the pending gather in ``dtype``, started now unless it is."""
+        """The pending gather in ``dtype`` (one in another dtype is waited for and dropped),
+        started now unless it is; later prefetches gather in ``dtype``. ``all_gather_start``."""
         self.travel = dtype
         pending = self.pending
-        if pending is not None and pending.out.dtype != dtype:
+        if pending is not None and pending.out.dtype != dtype:  # started before the dtype changed
             self.wait(pending.work, "all-gather (prefetched)")
             pending = None
         if pending is None:
@@ -283,7 +274,8 @@ class FlatGroup:
         return pending
 
     def end_gather(self, started: torch.Tensor) -> torch.Tensor:
-        """``all_gather_wait``: finish the pending gather whose output is ``started``."""
+        """Finish the pending gather whose output is ``started``, start the next one in the
+        last pass's order, and reorder into parameter after parameter. ``all_gather_wait``."""
         pending = self.pending
         if pending is None or pending.out.data_ptr() != started.data_ptr():
             # Not the gather ``started`` names: it was drained at a pass's end (its forward
@@ -291,7 +283,7 @@ class FlatGroup:
             # step: gather again now rather than read it.
             return self.gather(self.leaf, started.dtype)
         self.pending = None
-        self.wait(pending.work, "all-gather (started ahead)")
+        self.wait(pending.work, "all-gather")
         self._prefetch_next()
         return to_param_major(pending.out, self.slices, self.world)
 
@@ -363,10 +355,13 @@ def all_gather(shard: torch.Tensor, flat: str, dtype: torch.dtype | None = None)
     return group_of(flat).gather(shard, dtype)
 
 
-@all_gather.register_fake
-def _all_gather_fake(shard, flat, dtype=None):
+def _gathered_fake(shard, flat, dtype=None):
+    """``all_gather``'s and ``all_gather_start``'s result: a full unit, rank- or param-major."""
     g = group_of(flat)
     return shard.new_empty(g.world * g.shard_numel, dtype=g.dtype if dtype is None else dtype)
+
+
+all_gather.register_fake(_gathered_fake)
 
 
 def _all_gather_setup(ctx, inputs, output):
@@ -397,10 +392,7 @@ def all_gather_start(shard: torch.Tensor, flat: str, dtype: torch.dtype | None =
     return g.begin_gather(shard, g.dtype if dtype is None else dtype).out
 
 
-@all_gather_start.register_fake
-def _all_gather_start_fake(shard, flat, dtype=None):
-    g = group_of(flat)
-    return shard.new_empty(g.world * g.shard_numel, dtype=g.dtype if dtype is None else dtype)
+all_gather_start.register_fake(_gathered_fake)
 
 
 @torch.library.custom_op("tracedac::all_gather_wait", mutates_args=())
