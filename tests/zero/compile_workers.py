@@ -8,6 +8,7 @@ elimination, and glibc's allocator statistics.
 from __future__ import annotations
 
 import gc
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +148,8 @@ def graphs(rank, world):
             fw_gathers=_count(g.forward, GATHER) + _count(g.forward, WAIT), fw_releases=_count(g.forward, RELEASE),
             bw_gathers=_count(g.backward, GATHER) + _count(g.backward, WAIT), bw_reduces=_count(g.backward, REDUCE),
             saved_gathered=[s for gm in g.forward for s in _saved_gathered(gm)],
+            bw_slice_scatters=_count(g.backward, torch.ops.aten.slice_scatter.default)
+            + _count(g.backward, torch.ops.aten.slice_backward.default),
             trainable_groups=sum(1 for u in m._tracedac_zero.all_units for grp in u.groups if grp.requires_grad),
             groups=sum(len(u.groups) for u in m._tracedac_zero.all_units),
             keys=len({grp.key for u in m._tracedac_zero.all_units for grp in u.groups}),
@@ -301,6 +304,7 @@ def _from_gather(node) -> bool:
         if node.target in (GATHER, WAIT):
             return True
         if node.target not in (torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
+                               torch.ops.aten.split_with_sizes.default, operator.getitem,
                                torch.ops.prims.convert_element_type.default):
             return False
     return False

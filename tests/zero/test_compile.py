@@ -64,6 +64,9 @@ def test_gathers_and_releases_are_graph_nodes_and_backward_gathers_again(ranks):
             assert g["bw_reduces"] == g["trainable_groups"] - root, (case, g)
             assert g["bw_gathers"] == g["bw_reduces"], (case, g)  # backward gathers each trainable group again
             assert g["saved_gathered"] == [], (case, g)
+            # a unit's gradient is one cat of its parameters' (layout.split_views), not a sum
+            # of one full-size slice_backward (slice_scatter into zeros) per parameter
+            assert g["bw_slice_scatters"] == 0, (case, g)
 
 
 def test_release_survives_dead_code_elimination(ranks):

@@ -30,7 +30,7 @@ from ..checkpoint import current_region, module_matcher, tracing
 from ..compile.install import install_for_gather
 from .auto import Auto
 from .errors import ZeroError
-from .layout import FullViews, make_slices, spec_for
+from .layout import FullViews, make_slices, spec_for, split_views
 from .ops import FlatGroup, Gathered, Handle, Prefetch, handle_for
 
 __all__ = ["MixedPrecision", "ZeroModule", "shard", "sharded"]
@@ -145,12 +145,12 @@ class Unit:
         install_for_gather()
         # dtype explicit: the graph keeps the dtype it was traced with if "auto" changes it later
         fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key, dtype=g.dtype_now()) for g in self.groups]
+        views = [split_views(full, g.slices, g.world) for full, g in zip(fulls, self.groups)]
         for s in self.slots:
-            g = self.groups[s.group]
             # object.__setattr__ writes the instance __dict__ as below; dynamo tracks it as an
             # attribute store that the post-hook's delete undoes (a store to ``__dict__``
             # itself would make every view a graph output, alive until backward).
-            object.__setattr__(s.module, s.attr, g.slices[s.piece].full(fulls[s.group], g.world))
+            object.__setattr__(s.module, s.attr, views[s.group][s.piece])
         self.active.append((fulls, _TRACED))
 
     def exit(self) -> None:
