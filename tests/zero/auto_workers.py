@@ -136,3 +136,21 @@ def nested(rank, world):
         out[(inner, outer)] = {(g.name.split("(")[1].rstrip(")"), str(g.dtype).removeprefix("torch."))
                                for g in m._tracedac_zero.all_groups}
     return out
+
+
+def autocast_on_one_rank(rank, world):
+    """Two steps under autocast on both ranks ("auto" decides bf16 for the Linear groups),
+    then a forward under autocast on rank 0 only: rank 0 gathers those groups in bf16 and
+    rank 1 in fp32. Returns the ZeroError's message (or None) and how long it took."""
+    import time
+
+    m = zero.shard(w.model(), mixed_precision=zero.MixedPrecision("auto"), timeout=20)
+    _train(m, rank, world, steps=2)
+    x, _ = w.rank_batch(2, rank, world)
+    start = time.monotonic()
+    try:
+        with torch.autocast("cpu", torch.bfloat16, enabled=rank == 0):
+            m(x)
+    except zero.ZeroError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None

@@ -66,3 +66,12 @@ def test_auto_composes_with_nested_shards():
 def test_an_unknown_param_dtype_names_auto():
     with pytest.raises(TypeError, match='"auto"'):
         zero.MixedPrecision(param_dtype="bf16")
+
+
+def test_ranks_that_gather_in_different_dtypes_all_raise_instead_of_aborting():
+    """After "auto" decided bf16, a forward under autocast on one rank only: that rank
+    gathers the Linear groups in bf16, the other in fp32. Same group, same element count,
+    different bytes: without the dtype in the order check gloo aborts the process."""
+    for elapsed, message in run_ranks(aw.autocast_on_one_rank, 2, timeout=120):
+        assert message is not None and "bfloat16" in message and "float32" in message, message
+        assert elapsed < 10, elapsed

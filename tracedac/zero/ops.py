@@ -55,6 +55,16 @@ _GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> F
 _KEYS = itertools.count()
 _WHAT = {"all-gather": 0, "reduce-scatter": 1, "adjoint all-gather": 2}
 _WHAT_NAMES = {v: k for k, v in _WHAT.items()}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The same integer on every rank for the same dtype (an order check's column)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def _dtype_named(code: int) -> str:
+    known = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
+    return next((str(d) for d in known if _dtype_code(d) == code), "another dtype")
 _LIVE: dict = {}  # storage address -> Gathered, for buffers gathered by a forward pre-hook
 
 
@@ -215,24 +225,35 @@ class FlatGroup:
             "Look at the other ranks' errors first; the timeout is shard(..., timeout=...)."
         )
 
-    def agree(self, what: str) -> None:
+    def agree(self, what: str, dtype: torch.dtype) -> None:
         """Check, before a collective, that every rank is about to run this one.
 
         Ranks that took different branches would otherwise pair different collectives:
         silently wrong values when their sizes match, a gloo abort when they do not. A
-        fixed-size all-gather of (collective, size, group name) cannot abort; every rank
-        sees every row, so every rank raises at the same point.
+        fixed-size all-gather of (collective, size, group name, dtype) cannot abort; every rank
+        sees every row, so every rank raises at the same point. The dtype is part of it: the
+        same group gathered in bf16 on one rank (a forward under autocast, "auto" having
+        decided bf16) and fp32 on another would pair buffers of different byte sizes.
         """
         if self.world == 1:
             return
         device = collective_device(dist.get_backend(self.group), self.local.device)
-        mine = torch.tensor([_WHAT[what], self.shard_numel, self.crc], dtype=torch.int64, device=device)
-        rows = torch.empty(self.world, 3, dtype=torch.int64, device=device)
+        mine = torch.tensor([_WHAT[what], self.shard_numel, self.crc, _dtype_code(dtype)], dtype=torch.int64,
+                            device=device)
+        rows = torch.empty(self.world, mine.numel(), dtype=torch.int64, device=device)
         self.wait(_all_gather(rows.view(-1), mine, group=self.group, async_op=True), f"{what} (order check)")
         if bool((rows == mine).all()):
             return
         r = next(r for r in range(self.world) if not bool((rows[r] == mine).all()))
-        kind, _, crc = rows[r].tolist()
+        kind, _, crc, code = rows[r].tolist()
+        if (kind, crc) == tuple(mine[[0, 2]].tolist()):
+            raise ZeroError(
+                f"rank {self.rank} is at the {what} of {self.name} in {dtype} but rank {r} is at "
+                f"the same {what} in {_dtype_named(code)}: the ranks gather or reduce this group in "
+                "different dtypes (a forward under torch.autocast on some ranks only, with "
+                "MixedPrecision(\"auto\") or a fused cast). Run every rank's forward under the same "
+                "autocast; nothing was exchanged."
+            )
         theirs = next((g.name for g in list(_GROUPS.values()) if g.crc == crc), "a group this rank does not know")
         raise ZeroError(
             f"rank {self.rank} is at the {what} of {self.name} but rank {r} is at the "
@@ -243,8 +264,8 @@ class FlatGroup:
 
     def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> _Pending:
         """Start the all-gather of ``shard`` in the travel dtype (or ``dtype``), asynchronously."""
-        self.agree("all-gather")
         dtype = self.travel if dtype is None else dtype
+        self.agree("all-gather", dtype)
         if dtype == shard.dtype:
             src = shard.detach()  # no cast: gather straight from the shard
         else:
@@ -305,7 +326,7 @@ class FlatGroup:
                 torch.autograd.Variable._execution_engine.queue_callback(state.drain)
 
     def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
-        self.agree("reduce-scatter")
+        self.agree("reduce-scatter", self.reduce_dtype)
         full = to_rank_major(grad.to(self.reduce_dtype), self.slices, self.world)
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
         self.wait(_reduce_scatter(out, full, group=self.group, async_op=True), "reduce-scatter")
@@ -447,7 +468,7 @@ def _reduce_scatter_setup(ctx, inputs, output):
 def _reduce_scatter_backward(ctx, grad):
     """The adjoint of sum-then-divide: every rank's part, all-gathered, divided by world."""
     g = group_of(ctx.flat)
-    g.agree("adjoint all-gather")
+    g.agree("adjoint all-gather", grad.dtype)
     out = grad.new_empty(g.world * g.shard_numel)
     g.wait(_all_gather(out, grad.contiguous(), group=g.group, async_op=True), "all-gather (reduce-scatter backward)")
     return to_param_major(out.div_(g.world), g.slices, g.world).to(ctx.dtype), None
