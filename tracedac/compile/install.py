@@ -14,8 +14,8 @@ AOTAutograd), never in place of one:
   so a cached artifact is never reused for a different set of region policies.
 - ``torch._functorch.config.joint_custom_pass``: AOTAutograd runs it before any backend's
   partitioner (``aot_eager_decomp_partition``...). It is not in the cache key and is skipped
-  on a cache hit, which is why inductor's entry above is the one the cache relies on; the
-  pass is idempotent, so running under both costs compile time only.
+  on a cache hit, which is why inductor's entry above is the one the cache relies on. Both
+  hooks are handed the same graph module; the second finds it marked done and returns it.
 """
 
 from __future__ import annotations
@@ -59,7 +59,14 @@ def _passes(gm):
     from .tag_regions import tag_regions
     from .zero_tags import tag_gathers
 
-    return tag_gathers(prefetch_gathers(tag_regions(fuse_gather_casts(gm))))
+    if gm.meta.get(_DONE):  # both hooks run on one graph: AOTAutograd's first, then inductor's
+        return gm
+    gm = tag_gathers(prefetch_gathers(tag_regions(fuse_gather_casts(gm))))
+    gm.meta[_DONE] = True
+    return gm
+
+
+_DONE = "tracedac_passes_done"
 
 
 def _aot_pass(gm, joint_inputs):

@@ -129,8 +129,9 @@ def _warn_opaque(key: str, nodes: list) -> None:
                     "nested_compile_region (or checkpoint inside it).", stacklevel=2)
 
 
-def _decide(view, policy, wanted: set, baseline: set | None = None, later: set = frozenset()) -> None:
-    """``node.decision`` for every node of the region's graph, as an eager region decides."""
+def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda n: False) -> None:
+    """``node.decision`` for every node of the region's graph, as an eager region decides.
+    ``later(n)``: whether fx node ``n`` belongs to a region after this one."""
     graph = view.graph
     planner = planner_of(policy)
     for node in graph.nodes:
@@ -169,7 +170,7 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later: set =
         # What a later region reads of this one the partitioner saves at the boundary: out
         # of the budget too.
         boundary = {g.id for g in graph.groups if g.creator is not None and g.id in view.group_fx
-                    and any(u in later for u in view.group_fx[g.id].users)}
+                    and any(later(u) for u in view.group_fx[g.id].users)}
         p.items = [g for g in p.items if g not in boundary]  # kept whatever the plan: not a choice
         p.reserved = sum(graph.groups[g].nbytes for g in boundary)
     keep = planner.choose(p)
@@ -231,8 +232,10 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return gm  # no region in this graph (the pass sees every joint graph once installed)
     budgets = any(isinstance(planner_of(SPECS[key][0]), MemoryBudget) for key, _ in runs if key in SPECS)
     baseline = untagged_saved(gm) if budgets else None
+    run_of = {n: i for i, (_, run) in enumerate(runs, start=1) for n in run}
     for ac_graph_id, (key, nodes) in enumerate(runs, start=1):
-        later = {n for _, run in runs[ac_graph_id:] for n in run}
+        def later(n, this=ac_graph_id):
+            return run_of.get(n, 0) > this
         spec = SPECS.get(key)
         if spec is None:
             raise AssertionError(f"joint graph names region {key!r}, which no traced region registered")
