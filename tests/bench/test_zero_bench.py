@@ -178,7 +178,7 @@ def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_e
     by = rows(figures)
     assert figures["compiled"] and "vs FSDP2 compiled" in rank0
     assert list(by) == ["replicated", "tracedac_fp32", "tracedacc_fp32", "fsdp2c_fp32", "tracedac_bf16",
-                        "tracedacc_bf16", "fsdp2c_bf16"]
+                        "tracedacc_bf16", "fsdp2c_bf16", "tracedacc_bf16_unchecked"]
     assert all(r["status"] == "ok" for r in by.values()), {k: r["status"] for k, r in by.items()}
     assert by["tracedacc_fp32"]["graph_breaks"] == 0 and by["tracedacc_bf16"]["graph_breaks"] == 0
     # no dropout in this mode: every fp32 row trains the replicated run's losses
@@ -190,6 +190,10 @@ def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_e
     # "auto", compiled: the gather-cast pass puts the Linear and expert weights on the wire in bf16
     auto = by["tracedacc_bf16"]["all_gather_bytes"]
     assert auto.get("bfloat16", 0) > 2 * auto.get("float32", 0), auto
+    # the measurement row: the same gathers, none of the order checks' int64 rows
+    unchecked = by["tracedacc_bf16_unchecked"]["all_gather_bytes"]
+    assert auto.get("int64", 0) > 0 and "int64" not in unchecked, (auto, unchecked)
+    assert unchecked["bfloat16"] == auto["bfloat16"]
     names = [t["name"] for t in figures["targets"]]
     assert "tracedac.zero compiled fp32 step / FSDP2 compiled fp32" in names
     assert "graph breaks, tracedac.zero compiled (checkpointed MoE)" in names

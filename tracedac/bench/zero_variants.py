@@ -146,6 +146,20 @@ def _tracedac_compiled(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     return trainer
 
 
+def _tracedac_compiled_unchecked(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
+    """The compiled row with the per-collective order check switched off on this model's
+    groups: a measurement of what the check costs (FSDP2 has none), not a configuration a
+    user can choose (ranks that diverge would pair different collectives)."""
+    trainer = _tracedac_compiled(model, bf16, per_rank_batch)
+    for group in model._tracedac_zero.all_groups:
+        group.agree = _unchecked
+    return trainer
+
+
+def _unchecked(what, dtype) -> None:
+    return None
+
+
 def _fsdp2_compiled(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     """fully_shard, then each block's forward compiled with torch's checkpoint inside it
     (FSDP2's hooks stay outside the compiled forward, as torchtitan has them)."""
@@ -243,4 +257,6 @@ COMPILED_VARIANTS: tuple[ZeroVariant, ...] = (
     ZeroVariant("tracedacc_bf16", "tracedac.zero compiled bf16 auto", "tracedac", True, _tracedac_compiled,
                 baseline="fsdp2c"),
     ZeroVariant("fsdp2c_bf16", "FSDP2 compiled bf16", "fsdp2", True, _fsdp2_compiled, baseline="fsdp2c"),
+    ZeroVariant("tracedacc_bf16_unchecked", "(compiled bf16 auto, no order check)", "tracedac", True,
+                _tracedac_compiled_unchecked, baseline="fsdp2c"),
 )

@@ -65,6 +65,8 @@ def _dtype_code(dtype: torch.dtype) -> int:
 def _dtype_named(code: int) -> str:
     known = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
     return next((str(d) for d in known if _dtype_code(d) == code), "another dtype")
+
+
 _LIVE: dict = {}  # storage address -> Gathered, for buffers gathered by a forward pre-hook
 
 
