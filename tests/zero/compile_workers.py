@@ -360,3 +360,31 @@ def prefetch_order(rank, world):
     out["bw_waits"] = _count(g.backward, WAIT)
     _fresh()
     return out
+
+
+def odd_sizes(rank, world):
+    """Parameters whose rows do not divide by ``world`` (padding rows in every gathered unit),
+    trained eager and compiled whole (``layout.split_views``: the padding is a piece of its
+    own): the largest loss and parameter difference over three steps."""
+    out = {}
+    for compiled in (False, True):
+        _fresh()
+        torch.manual_seed(0)
+        m = zero.shard(torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5),
+                                           torch.nn.Linear(5, 3, bias=False), torch.nn.Linear(3, 1)))
+        call = torch.compile(m, fullgraph=True, backend=BACKEND) if compiled else m
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step * 10 + rank)
+            x, y = torch.randn(4, 7, generator=g), torch.randn(4, 1, generator=g)
+            loss = F.mse_loss(call(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[compiled] = losses, {k: v.full_tensor().clone() for k, v in m.state_dict().items()}
+    _fresh()
+    (eager_losses, eager), (losses, params) = out[False], out[True]
+    return (max(abs(a - b) for a, b in zip(eager_losses, losses)),
+            max((eager[k] - params[k]).abs().max().item() for k in eager))
