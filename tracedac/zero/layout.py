@@ -60,49 +60,25 @@ class Slice:
         return full[rank * per_rank:rank * per_rank + self.local_shape[0]]
 
 
-class FullViews(torch.autograd.Function):
-    """Every parameter's full view of a param-major gathered buffer, as one autograd node.
-
-    Sliced one by one, each view's backward (``slice_backward``) allocates a zero buffer the
-    size of the whole unit and the engine adds those up: one full-size buffer and one
-    full-size add per parameter. Here backward writes each parameter's gradient into one
-    zero buffer: one allocation per unit. (Measured on the bench's MoE: the per-parameter
-    slicing made tracedac.zero's backward the largest part of its gap to FSDP2.)"""
-
-    @staticmethod
-    def forward(ctx, padded: torch.Tensor, world: int, slices: tuple):
-        ctx.world, ctx.slices, ctx.numel = world, slices, padded.numel()
-        ctx.set_materialize_grads(False)  # a parameter this forward did not use: None, not zeros
-        return tuple(s.full(padded, world) for s in slices)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        first = next((g for g in grads if g is not None), None)
-        if first is None:
-            return None, None, None
-        out = first.new_zeros(ctx.numel)
-        for s, g in zip(ctx.slices, grads):
-            if g is not None:
-                s.full(out, ctx.world).copy_(g)
-        return out, None, None
-
-
 def split_views(padded: torch.Tensor, slices: list[Slice], world: int) -> list[torch.Tensor]:
-    """Every parameter's full view of a param-major gathered buffer, from one ``split_with_sizes``:
-    what a compiled forward uses in place of ``FullViews``. Its backward is one ``cat`` of the
-    parameters' gradients (zeros in the padding). Sliced one by one, the backward is a sum of
-    one ``slice_backward`` per parameter, which inductor fuses into one kernel that evaluates
-    every parameter's bounds at every element of the unit (on the bench's MoE block under
-    autocast: 21 ms per block and backward, against none here)."""
-    sizes, keep, used = [], [], 0
+    """Every parameter's full view (``Slice.full``) of a param-major gathered buffer, from one
+    ``split_with_sizes``: the padding between parameters is a piece of its own that nobody
+    reads. Its backward is one ``cat`` of the parameters' gradients (zeros where there is
+    none): one unit-sized buffer per backward. Sliced one by one, each view's
+    ``slice_backward`` allocates a unit-sized zero buffer and autograd adds them up (eager:
+    the largest part of tracedac.zero's gap to FSDP2 on the bench's MoE), and inductor fuses
+    that sum into one kernel that tests every parameter's bounds at every element of the
+    unit (compiled: 21 ms per MoE block and backward under autocast)."""
+    sizes, keep, at = [], [], 0
     for s in slices:
+        start = world * s.offset  # where Slice.full starts
+        if start > at:
+            sizes.append(start - at)
         keep.append(len(sizes))
         sizes.append(s.numel)
-        if world * s.chunk > s.numel:
-            sizes.append(world * s.chunk - s.numel)  # padding rows: nobody's parameter
-        used += world * s.chunk
-    if padded.numel() > used:
-        sizes.append(padded.numel() - used)
+        at = start + s.numel
+    if padded.numel() > at:
+        sizes.append(padded.numel() - at)
     pieces = padded.split_with_sizes(sizes)
     return [pieces[i].view(s.shape) for i, s in zip(keep, slices)]
 

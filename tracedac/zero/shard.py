@@ -30,7 +30,7 @@ from ..checkpoint import current_region, module_matcher, tracing
 from ..compile.install import install_for_gather
 from .auto import Auto
 from .errors import ZeroError
-from .layout import FullViews, make_slices, spec_for, split_views
+from .layout import make_slices, spec_for, split_views
 from .ops import FlatGroup, Gathered, Handle, Prefetch, handle_for
 
 __all__ = ["MixedPrecision", "ZeroModule", "shard", "sharded"]
@@ -120,7 +120,7 @@ class Unit:
                 "Run forward outside the with block."
             )
         gathered = [Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key, g.dtype_now())) for g in self.groups]
-        views = [FullViews.apply(g.full, g.flat.world, tuple(g.flat.slices)) for g in gathered]
+        views = [split_views(g.full, g.flat.slices, g.flat.world) for g in gathered]
         for s in self.slots:
             s.module.__dict__[s.attr] = views[s.group][s.piece]
         auto = self.groups[0].state.auto if self.groups else None
