@@ -299,7 +299,8 @@ class Problem:
     ``forced_in``/``forced_out`` what MUST decisions (or a result already let go) settle;
     ``full`` the bytes kept without checkpointing; ``live`` the storages that can still be
     kept (None: all); ``reserved`` bytes of the budget that go to values kept whatever the
-    plan (under compile: a region's result that the next region reads)."""
+    plan (under compile: a region's result that the next region reads), ``kept_anyway``
+    their groups. Under compile ``items`` also holds what the untagged partition saves."""
 
     graph: RegionGraph
     wanted: set
@@ -309,6 +310,7 @@ class Problem:
     forced_out: set
     live: set | None = None
     reserved: int = 0
+    kept_anyway: frozenset = frozenset()
 
 
 def problem(graph: RegionGraph, wanted, live=None, held=()) -> Problem:

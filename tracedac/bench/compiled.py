@@ -132,9 +132,10 @@ def _measure(variant: CompiledVariant, base: GPT, batch, cfg: Config, steps: int
     return row
 
 
-def _equal_bytes(curve: dict) -> float | None:
-    """tracedac memory_budget(0.5)'s replay FLOPs over torch's at the same bytes saved."""
-    (_, nbytes, flops), = [p for p in curve["tracedac"] if p[0] == 0.5]
+def _equal_bytes(curve: dict, who: str = "tracedac, one region") -> float | None:
+    """tracedac memory_budget(0.5)'s replay FLOPs over torch's at the same bytes saved (``who``:
+    the one-region point, the same scope as torch's budget, or the per-block one)."""
+    (_, nbytes, flops), = [p for p in curve[who] if p[0] == 0.5]
     theirs = frontier.at_bytes(curve["torch"], nbytes)
     if theirs is None:
         return None
@@ -160,7 +161,7 @@ def _targets(rows: dict, curve: dict) -> list[dict]:
                ratio("tracedac_budget", "none", "saved_bytes"), 0.5),
         target("tracedac memory_budget(0.5) replay FLOPs / torch activation_memory_budget=0.5",
                ratio("tracedac_budget", "torch_budget", "replay_flops"), 1.0),
-        target("tracedac memory_budget(0.5) replay FLOPs / torch's budget curve at the same bytes",
+        target("tracedac memory_budget(0.5), one region, replay FLOPs / torch's budget curve at the same bytes",
                _equal_bytes(curve), 1.0),
         target("tracedac recompute_all compiled step / eager", ratio("tracedac_recompute_all", "tracedac_eager", "step_s"),
                0.85),
@@ -204,8 +205,17 @@ def format_report(result: dict) -> str:
     lines = [f"torch.compile (inductor, fullgraph=True), fixed-capacity MoE; {result['steps']} timed steps, "
              f"torch {result['torch']}, {result['threads']} threads", *table(header, cells), "",
              "equal bytes (partitions only): budget, saved, replay GFLOP"]
-    for who, points in result["frontier"].items():
-        lines.append(f"  {who:9s} " + "  ".join(f"{b:.1f}: {mib(n)} {f / 1e9:.3f}" for b, n, f in points))
+    curve = result["frontier"]
+    for who in ("torch", "tracedac", "tracedac, one region"):
+        name = "tracedac, per block" if who == "tracedac" else who
+        lines.append(f"  {name:20s} " + "  ".join(f"{b:.1f}: {mib(n)} {f / 1e9:.3f}" for b, n, f in curve[who]))
+    per_block = _equal_bytes(curve, "tracedac")
+    lines.append("  per block / torch's curve at the same bytes: "
+                 + ("-" if per_block is None else f"{per_block:.3f}x")
+                 + " (each block's input saved at its boundary; outside the blocks, the partitioner's default)")
+    for b, planned, least in curve["floor"]:
+        lines.append(f"  per-block plans at {b:.1f}: {planned / 1e9:.3f} GFLOP by their price; the floor of any "
+                     f"plan within the same bytes: {least / 1e9:.3f} ({planned / least if least else float('nan'):.3f}x)")
     lines += ["", "targets:"]
     for t in result["targets"]:
         value = "-" if t["value"] is None else f"{t['value']:.3f}{t['unit']}"

@@ -8,7 +8,18 @@ The fair question is the issue's: at the same bytes saved, who replays fewer FLO
 point is read off the partition AOTAutograd makes for the code (``compile.report.partition``:
 torch's min-cut partitioner, inductor's decompositions, no inductor compile, so a sweep costs
 seconds). torch's points form a curve (bytes -> FLOPs, linear between points, its lower
-envelope); tracedac's point is compared with that curve at its own bytes.
+envelope); tracedac's points are compared with that curve at their own bytes.
+
+torch's budget spans the whole graph, so tracedac's is placed two ways:
+
+- **one region** over the whole model (``"tracedac, one region"``): the same scope, the
+  planners compared;
+- **per block** (``"tracedac"``), as users checkpoint: each block's input is saved at the
+  boundary whatever the plan (torch's partitioner stashes what a later region reads, as
+  torch's own checkpoint does), and what lies outside every block keeps the partitioner's
+  default. Its plans are also read against their floor (``hull.floor``: the least any
+  choice of kept values within the same bytes can replay), summed over the blocks
+  (``"floor"``: budget, FLOPs the plans replay by their own price, the floor's FLOPs).
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ import copy
 import torch
 
 import tracedac
+
+from . import hull
 
 __all__ = ["BUDGETS", "at_bytes", "sweep"]
 
@@ -37,17 +50,28 @@ def _point(model, batch, functorch: dict) -> tuple[int, int]:
     return sum(p.saved_bytes for p in parts), sum(p.replay_flops for p in parts)
 
 
+def _tracedac_point(base, batch, budget: float, whole: bool):
+    model = copy.deepcopy(base)
+    for region in [model] if whole else model.blocks:
+        tracedac.checkpoint(region, policy=tracedac.policies.memory_budget(budget))
+    with hull.capture() as plans:
+        point = _point(model, batch, {})
+    return point, plans
+
+
 def sweep(base, batch, budgets=BUDGETS, tracedac_budgets=None) -> dict:
-    """{"torch": [(budget, bytes, flops)], "tracedac": [...]}, one partition per point
-    (tracedac's at ``tracedac_budgets``, by default the same budgets)."""
-    out = {"torch": [], "tracedac": []}
+    """{"torch": [(budget, bytes, flops)], "tracedac": [...], "tracedac, one region": [...],
+    "floor": [(budget, plan flops, floor flops)]}, one partition per point (tracedac's at
+    ``tracedac_budgets``, by default the same budgets)."""
+    out = {"torch": [], "tracedac": [], "tracedac, one region": [], "floor": []}
     for b in budgets:
         out["torch"].append((b, *_point(copy.deepcopy(base), batch, {"activation_memory_budget": b})))
     for b in budgets if tracedac_budgets is None else tracedac_budgets:
-        model = copy.deepcopy(base)
-        for block in model.blocks:
-            tracedac.checkpoint(block, policy=tracedac.policies.memory_budget(b))
-        out["tracedac"].append((b, *_point(model, batch, {})))
+        point, plans = _tracedac_point(base, batch, b, whole=False)
+        out["tracedac"].append((b, *point))
+        out["floor"].append((b, sum(p.flops for p in plans), sum(hull.floor(p.problem, p.limit)[0] for p in plans)))
+        point, _ = _tracedac_point(base, batch, b, whole=True)
+        out["tracedac, one region"].append((b, *point))
     return out
 
 

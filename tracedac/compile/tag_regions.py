@@ -158,6 +158,7 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
         # partitioner rebuild from what is kept: a residual sum its layer norm's backward
         # reads is rebuilt through the projection before it), chosen among both.
         p = problem(graph, base | wanted)
+        p.wanted = set(wanted)  # the items are both; what replay must rebuild is what backward reads
         p.full = sum(graph.groups[g].nbytes for g in {g for g, _ in base})
     else:
         p = problem(graph, wanted)
@@ -173,6 +174,7 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
                     and any(later(u) for u in view.group_fx[g.id].users)}
         p.items = [g for g in p.items if g not in boundary]  # kept whatever the plan: not a choice
         p.reserved = sum(graph.groups[g].nbytes for g in boundary)
+        p.kept_anyway = frozenset(boundary)
     keep = planner.choose(p)
     for g in graph.groups:
         node = g.creator
