@@ -149,19 +149,30 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
     return rows, sum(replayed.values()), flops, len(p.nodes) if p else 0
 
 
+def _holds_regions(fn) -> bool:
+    """Whether ``fn`` is a module with tracedac-checkpointed modules inside."""
+    return isinstance(fn, nn.Module) and any(getattr(m, "_tracedac", None) is not None
+                                             for m in fn.modules() if m is not fn)
+
+
 def record(fn, args, kwargs, policy) -> tuple[list[Region], object]:
     """Run ``fn``'s forward once in report mode; the regions it made (whole graphs kept) and
     its output.
 
     ``fn`` may be a plain function or module (run in one region under ``policy``, default
     ``recompute_all()``), or something already checkpointed by tracedac (run under its own
-    policy, or ``policy`` if given). Regions nested inside are recorded too.
+    policy, or ``policy`` if given). Regions nested inside are recorded too. A module that is
+    not checkpointed but holds checkpointed modules (``tracedac.wrap(model, Block)``) runs as
+    it is when no ``policy`` is given: its own regions are what it keeps, not one region
+    around it that would recompute everything between them too.
     """
     if policy is not None:
         check_policy(policy)
     spec = getattr(fn, "_tracedac", None)
     with reporting() as regions, torch.enable_grad():
-        if spec is not None and hasattr(spec, "fn"):  # a checkpointed function
+        if spec is None and policy is None and _holds_regions(fn):
+            out = fn(*args, **kwargs)
+        elif spec is not None and hasattr(spec, "fn"):  # a checkpointed function
             out = run_region(spec.fn, args, kwargs, policy or spec.policy, spec.name)
         elif spec is not None:  # a checkpointed module: run its hooks with the policy asked for
             before = spec.policy
@@ -183,7 +194,8 @@ def saved_report(fn, *args, policy=None, **kwargs) -> SavedReport:
 
     ``fn`` may be a plain function or module (run in one region under ``policy``, default
     ``recompute_all()``), or something already checkpointed by tracedac (run under its own
-    policy, or ``policy`` if given). Regions nested inside are reported too. For a
+    policy, or ``policy`` if given). Regions nested inside are reported too; a module holding
+    checkpointed modules (``tracedac.wrap``) runs as it is when no ``policy`` is given. For a
     ``torch.compile`` result, the rows are what the compiled graph saves for backward
     (``tracedac.compile.report``: torch's min-cut partition, as ``aot_eager_decomp_partition``
     makes it).
