@@ -17,6 +17,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
 from tracedac import CheckpointError, policies
@@ -206,8 +207,10 @@ def test_decorator_and_checkpoint_call_compile_fullgraph():
     def f(x):
         return (x @ w).relu().sin()
 
+    recompute = policies.recompute_all()
+
     def g(x):
-        return tracedac.checkpoint_call(lambda y: (y @ w).tanh(), x, policy=policies.recompute_all())
+        return tracedac.checkpoint_call(lambda y: (y @ w).tanh(), x, policy=recompute)
 
     def plain(x):
         return (x @ w).relu().sin() + (x @ w).tanh()
@@ -218,6 +221,34 @@ def test_decorator_and_checkpoint_call_compile_fullgraph():
     want = torch.autograd.grad(plain(x).sum(), (x, w))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_deep_copy_of_a_checkpointed_model_compiles_under_its_policy():
+    """A region names its policy by id at trace time (``compile/registry.key_for``): a copied
+    policy (``copy.deepcopy`` of the model, an EMA copy) is held as the original is."""
+    import copy
+
+    base = tracedac.checkpoint(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)),
+                               policy=policies.save_matmuls())
+    twin = copy.deepcopy(base)
+    assert twin._tracedac.policy is not base._tracedac.policy
+    (part,) = partition(twin, X.clone().requires_grad_())
+    first = next(n for n in part.fw.graph.nodes if n.target is torch.ops.aten.addmm.default)
+    assert first.meta.get("recompute") is CheckpointPolicy.MUST_SAVE  # save_matmuls(), as the original's
+
+
+@pytest.mark.parametrize("make", [policies.recompute_all, policies.save_matmuls])
+def test_a_policy_made_inside_the_compiled_code_is_an_error_that_says_where_to_make_it(make):
+    """Dynamo hands the function that makes a region's key no policy object (torch 2.11 none
+    at all; 2.13 none made inside the compiled code: ``save_matmuls()`` lost its field there):
+    a region names its policy by id, and a policy made inside has none tracedac checked."""
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def g(x):
+        return tracedac.checkpoint_call(lambda y: (y @ w).tanh(), x, policy=make())
+
+    with pytest.raises(Exception, match="policy made inside the compiled code"):
+        torch.compile(g, backend=BACKEND, fullgraph=True)(X.clone().requires_grad_())
 
 
 def test_dropout_replays_the_same_numbers_compiled():

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
+from ._compat import class_forward
 from .compile import name_op, traced_region
 from .errors import CheckpointError
 from .decisions import is_save, resolve
@@ -515,7 +516,7 @@ def _traced_forward(module: nn.Module, inner, *args, **kwargs):
     than a bound method: the module still pickles, and torch.export reads its code. ``inner``:
     an instance forward set before that composes (``tracedac.zero``'s), called in its place."""
     hooks = getattr(module, "_tracedac", None)
-    forward = inner if inner is not None else type(module).forward.__get__(module)
+    forward = inner if inner is not None else class_forward(module)
     if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
         return traced_region(forward, args, kwargs, hooks.policy, hooks.name)
     return forward(*args, **kwargs)

@@ -106,3 +106,23 @@ def cast_dtype(op, args, kwargs) -> torch.dtype | None:
     if op is torch.ops.aten._to_copy.default and len(args) == 1 and set(kwargs) <= {"dtype"}:
         return kwargs.get("dtype")
     return None
+
+
+# --- policies by id ------------------------------------------------------------------------
+
+# Every policy object made or checked, by id: a compiled region names its policy by id (dynamo
+# hands the function that makes a region's key no policy object: ``compile/registry.key_for``).
+# Held for the process: a policy is a few fields, and an id must never be reused.
+HELD: dict[int, object] = {}
+
+
+class Held:
+    """A policy class whose instances are held by id from birth (``HELD``): made, copied
+    (``copy.deepcopy`` of a checkpointed model) or unpickled."""
+
+    def __post_init__(self) -> None:
+        HELD[id(self)] = self
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)  # (a frozen dataclass's fields: no __setattr__)
+        HELD[id(self)] = self

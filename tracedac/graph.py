@@ -339,13 +339,15 @@ def human_bytes(n: int) -> str:
 
 def op_flops(op, args, kwargs, outputs) -> int:
     """FLOPs of one recorded op from its shapes, by ``torch.utils.flop_counter``'s formulas."""
-    from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+    from torch.utils.flop_counter import flop_registry
 
     packet = getattr(op, "overloadpacket", None)
     if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        # torch has no formula for the CPU kernel; it does the same work as the others.
-        q, k, v = (a.shape for a in args[:3])
-        return sdpa_flop_count(q, k, v)
+        # torch has no formula for the CPU kernel; it does the same work as the others: torch
+        # 2.13's ``sdpa_flop_count``, written here since 2.11's refuses grouped-query attention
+        # (fewer key/value heads than query heads: Llama's)
+        (b, h, s_q, d_q), (_, _, s_k, _), (_, _, _, d_v) = (a.shape for a in args[:3])
+        return 2 * b * h * s_q * s_k * (d_q + d_v)
     formula = flop_registry.get(packet)
     if formula is None:
         return 0

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .decisions import MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE
+from .decisions import MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, Held
 from .errors import CheckpointError
 from .graph import Node, RegionGraph, human_bytes, walk
 
@@ -334,7 +334,7 @@ def must_decisions(graph: RegionGraph) -> dict:
 # --- planner objects ----------------------------------------------------------------------
 
 
-class Planner:
+class Planner(Held):
     """A policy that decides for the whole recorded graph. As a per-node policy it has no
     opinion (``PREFER_RECOMPUTE``), so ``either`` combines it with per-op policies: their MUST
     decisions bind the planner, their PREFERs it overrides."""

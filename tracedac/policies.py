@@ -23,6 +23,7 @@ from .decisions import (  # noqa: F401 (re-exported: callers found them here fir
     MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, RECOMPUTE_OPS, decision, is_save,
     recompute_by_default,
 )
+from .decisions import HELD, Held
 from .errors import CheckpointError
 from .planners import MemoryBudget, MinCut, Planner
 
@@ -48,7 +49,7 @@ def _packet(op):
 
 
 @dataclass(frozen=True)
-class RecomputeAll:
+class RecomputeAll(Held):
     """Keep nothing the region computed; replay every tensor backward needs."""
 
     constant = PREFER_RECOMPUTE  # the same for every node: a region need not ask
@@ -61,7 +62,7 @@ class RecomputeAll:
 
 
 @dataclass(frozen=True)
-class SaveAll:
+class SaveAll(Held):
     """Keep what autograd saves, as without checkpointing (Python still runs once)."""
 
     constant = PREFER_SAVE
@@ -74,7 +75,7 @@ class SaveAll:
 
 
 @dataclass(frozen=True)
-class SaveOps:
+class SaveOps(Held):
     """Keep the results of these ops (an overload, or every overload of a packet)."""
 
     ops: frozenset
@@ -92,7 +93,7 @@ class SaveOps:
 
 
 @dataclass(frozen=True)
-class SaveNames:
+class SaveNames(Held):
     """Keep the results labelled with ``tracedac.name(tensor, label)`` for one of these labels."""
 
     names: frozenset
@@ -105,7 +106,7 @@ class SaveNames:
 
 
 @dataclass(frozen=True)
-class Either:
+class Either(Held):
     """Keep what any of the policies keeps; a MUST from one overrides a PREFER from another."""
 
     policies: tuple
@@ -235,6 +236,7 @@ def check_policy(policy) -> None:
             f"torch.utils.checkpoint.CheckpointPolicy (e.g. tracedac.policies.save_matmuls()), "
             f"got {policy!r} of type {type(policy).__name__}"
         )
+    HELD[id(policy)] = policy
 
 
 def describe_policy(policy) -> str:

@@ -16,11 +16,14 @@ and a mark.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.node import has_side_effect
 
-from .registry import key_for
+from .._compat import is_exporting
+from .registry import install_traced, key_for
 
 __all__ = ["ANNOTATION", "MARK", "traced_region"]
 
@@ -43,8 +46,10 @@ has_side_effect(MARK)
 
 def traced_region(fn, args, kwargs, policy, name):
     """Call ``fn`` with every op it traces marked as region ``(policy, name)``."""
-    key = key_for(policy, name)
+    install_traced()
+    # a function as it is (dynamo hands functions over); any other policy by id (registry.py)
+    key = key_for(policy if isinstance(policy, types.FunctionType) else id(policy), name)
     with fx_traceback.annotate({ANNOTATION: key}):
-        if torch.compiler.is_dynamo_compiling() and not torch.compiler.is_exporting():
+        if torch.compiler.is_dynamo_compiling() and not is_exporting():
             MARK(key)  # (an exported program or a make_fx graph keeps no op of ours to load)
         return fn(*args, **kwargs)

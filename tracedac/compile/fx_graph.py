@@ -15,7 +15,7 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from .._compat import optimization_hint
 
 from ..graph import Group, Node, RegionGraph, TensorMeta
 from .names import module_path

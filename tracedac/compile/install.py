@@ -25,7 +25,7 @@ import os
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-__all__ = ["TagRegions", "install", "install_for_gather"]
+__all__ = ["TagRegions", "install"]
 
 
 class TagRegions(CustomGraphPass):
@@ -73,14 +73,6 @@ def _aot_pass(gm, joint_inputs):
     return _passes(gm)
 
 
-def install_for_gather() -> bool:
-    """``install()`` from a sharded unit's traced forward: dynamo calls it at trace time and
-    takes the result as a constant (no guard, no graph op)."""
-    install()
-    return True
-
-
-install_for_gather._dynamo_marked_constant = True
 
 
 def install() -> None:

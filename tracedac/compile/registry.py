@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["SPECS", "describe", "key_for"]
+__all__ = ["SPECS", "describe", "install_traced", "key_for"]
 
 # key -> (policy, region name)
 SPECS: dict[str, tuple] = {}
@@ -28,11 +28,26 @@ def describe(policy) -> str:
 
 
 def key_for(policy, name: str) -> str:
-    """The key of ``(policy, name)``, registered on first use. Dynamo calls this at trace time
-    and takes the result as a constant (``_dynamo_marked_constant``): no guard, no graph op."""
-    from .install import install
+    """The key of ``policy`` (a function, or the id of any other policy: ``decisions.HELD``)
+    and region ``name``, registered on first use. Dynamo calls this at trace time and takes
+    the result as a constant (``_dynamo_marked_constant``): no guard, no graph op. By id,
+    because dynamo hands such a function strings, numbers and functions but not every object:
+    torch 2.11 refuses any frozen dataclass (a policy), and 2.13 one made inside the compiled
+    code (``save_matmuls()`` made there lost its field)."""
+    if isinstance(policy, int):
+        from ..decisions import HELD
 
-    install()
+        held = HELD.get(policy)
+        if held is None:
+            from ..errors import CheckpointError
+
+            raise CheckpointError(
+                f"region {name!r} is compiled with a policy made inside the compiled code, which "
+                "dynamo cannot hand to tracedac. Make the policy outside it (policy = tracedac."
+                "policies.save_matmuls() once, then pass policy=policy), or checkpoint the function "
+                "or module outside the compiled code."
+            )
+        policy = held
     base = f"{name}|{describe(policy)}"
     key, n = base, 1
     while key in SPECS and SPECS[key][0] is not policy and SPECS[key][0] != policy:
@@ -43,3 +58,16 @@ def key_for(policy, name: str) -> str:
 
 
 key_for._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, without importing dynamo
+
+
+def install_traced() -> bool:
+    """``install.install()`` from traced code (a region's entry, a sharded unit's forward):
+    dynamo calls it at trace time and takes the result as a constant (no guard, no graph op).
+    Here, not in ``install.py``, so importing tracedac imports no inductor module."""
+    from .install import install
+
+    install()
+    return True
+
+
+install_traced._dynamo_marked_constant = True

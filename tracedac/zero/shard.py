@@ -27,7 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import current_region, module_matcher, tracing
-from ..compile.install import install_for_gather
+from .._compat import class_forward, compiles_zero
+from ..compile.registry import install_traced
 from .auto import Auto
 from .errors import ZeroError
 from .layout import make_slices, spec_for, split_views
@@ -142,7 +143,8 @@ class Unit:
         the partitioner decides what backward keeps, and the joint-graph pass tags every gather
         to be recomputed (``compile/zero_tags.py``), so backward gathers again. No
         ``Gathered`` entry and no saved-tensor hooks: the compiled code runs none of this."""
-        install_for_gather()
+        install_traced()
+        compiles_zero()  # (torch >= 2.13)
         # dtype explicit: the graph keeps the dtype it was traced with if "auto" changes it later
         fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key, dtype=g.dtype_now()) for g in self.groups]
         views = [split_views(full, g.slices, g.world) for full, g in zip(fulls, self.groups)]
@@ -189,7 +191,7 @@ class _UnitForward:
 
     def __call__(self, *args, **kwargs):
         module = self.unit.module
-        forward = self.inner if self.inner is not None else type(module).forward.__get__(module)
+        forward = self.inner if self.inner is not None else class_forward(module)
         if not tracing(args, kwargs):
             return forward(*args, **kwargs)
         self.unit.enter_traced()
