@@ -34,11 +34,12 @@ def class_forward(module):
     return functools.partial(type(module).forward, module)
 
 
-def compiles_zero() -> bool:
-    """Raise, at trace time, where ``tracedac.zero`` cannot be compiled: torch before 2.13,
-    whose dynamo cannot trace the removal of a gathered view from the module's ``__dict__``
-    (``__dict__.pop``, ``del``, ``object.__delattr__``: "Unsupported method call" on 2.11)."""
-    if _VERSION < (2, 13):
+def compiles_zero(dynamo: bool) -> bool:
+    """Raise, at trace time, where dynamo (``dynamo``: whether it is the tracer) cannot compile
+    ``tracedac.zero``: torch before 2.13, whose dynamo cannot trace the removal of a gathered
+    view from the module's ``__dict__`` (``__dict__.pop``, ``del``, ``object.__delattr__``:
+    "Unsupported method call" on 2.11). ``make_fx`` and fake tensors trace it there."""
+    if dynamo and _VERSION < (2, 13):
         from .zero.errors import ZeroError
 
         raise ZeroError(

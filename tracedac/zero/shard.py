@@ -144,7 +144,7 @@ class Unit:
         to be recomputed (``compile/zero_tags.py``), so backward gathers again. No
         ``Gathered`` entry and no saved-tensor hooks: the compiled code runs none of this."""
         install_traced()
-        compiles_zero()  # (torch >= 2.13)
+        compiles_zero(torch.compiler.is_dynamo_compiling())  # (torch >= 2.13)
         # dtype explicit: the graph keeps the dtype it was traced with if "auto" changes it later
         fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key, dtype=g.dtype_now()) for g in self.groups]
         views = [split_views(full, g.slices, g.world) for full, g in zip(fulls, self.groups)]
