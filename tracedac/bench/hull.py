@@ -28,6 +28,7 @@ from ..planners import MemoryBudget, Problem, closure, must_decisions, node_cost
 
 __all__ = ["Planned", "capture", "floor", "price", "value_network"]
 
+
 def price(graph: RegionGraph, wanted, keep) -> tuple[int, set]:
     """(FLOPs replayed, kept groups read) of the plan ``keep`` (group ids): what replay runs to
     rebuild ``wanted`` (``planners.closure``), and the kept storages backward reads, directly
