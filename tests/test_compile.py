@@ -237,6 +237,18 @@ def test_a_deep_copy_of_a_checkpointed_model_compiles_under_its_policy():
     assert first.meta.get("recompute") is CheckpointPolicy.MUST_SAVE  # save_matmuls(), as the original's
 
 
+def test_checkpoint_call_without_a_policy_compiles_inside_the_compiled_code():
+    """Its default policy is made once, outside any compiled code (``DEFAULT_POLICY``)."""
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def g(x):
+        return tracedac.checkpoint_call(lambda y: (y @ w).tanh(), x)
+
+    x = X.clone().requires_grad_()
+    got = torch.autograd.grad(torch.compile(g, backend=BACKEND, fullgraph=True)(x).sum(), w)[0]
+    torch.testing.assert_close(got, torch.autograd.grad((x @ w).tanh().sum(), w)[0])
+
+
 @pytest.mark.parametrize("make", [policies.recompute_all, policies.save_matmuls])
 def test_a_policy_made_inside_the_compiled_code_is_an_error_that_says_where_to_make_it(make):
     """Dynamo hands the function that makes a region's key no policy object (torch 2.11 none

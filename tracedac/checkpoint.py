@@ -528,6 +528,11 @@ def _is_traced_forward(f) -> bool:
 
 # --- public entry points -----------------------------------------------------------------
 
+# The default policy, made once at import: a region under torch.compile names its policy by id,
+# and one made inside the compiled code (``checkpoint_call(f, x)`` there) would have none
+# tracedac holds (compile/registry.py).
+DEFAULT_POLICY = recompute_all()
+
 
 def checkpoint(fn=None, /, *, policy=None):
     """Checkpoint a function or module: its forward is recorded, and backward replays it.
@@ -539,7 +544,7 @@ def checkpoint(fn=None, /, *, policy=None):
     """
     if fn is None:
         return functools.partial(checkpoint, policy=policy)
-    policy = recompute_all() if policy is None else policy
+    policy = DEFAULT_POLICY if policy is None else policy
     check_policy(policy)
     if isinstance(fn, nn.Module):
         return _checkpoint_module(fn, policy)
@@ -589,7 +594,7 @@ def checkpoint_call(function, *args, policy=None, use_reentrant=False, preserve_
             "not use context managers around recomputation. Express the same choice as "
             "policy=tracedac.policies.save_ops(...) and drop context_fn."
         )
-    policy = recompute_all() if policy is None else policy
+    policy = DEFAULT_POLICY if policy is None else policy
     check_policy(policy)
     return run_region(function, args, kwargs, policy)
 
@@ -622,7 +627,7 @@ def wrap(model: nn.Module, match, policy=None) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() takes an nn.Module, got {type(model).__name__}")
-    policy = recompute_all() if policy is None else policy
+    policy = DEFAULT_POLICY if policy is None else policy
     check_policy(policy)
     pred = module_matcher(match)
     matched = []
