@@ -14,6 +14,9 @@ users read that value instead). It then writes, on every forward node annotated
 - ``meta["ac_graph_id"]``: one id per region call (a run of consecutive forward nodes
   with one key), increasing in graph order, as torch's own checkpoint numbers them.
 
+A value the region replays that is made from no tensor and draws no random number (``iota``,
+``full``) gets no ``ac_graph_id``: the partitioner rebuilds it where it is read (``_free_to_rebuild``).
+
 Torch's min-cut partitioner then saves the MUST_SAVE nodes and what regions read from
 outside, and replays the rest in backward (random ops with their generator state: torch
 functionalizes recomputed RNG ops). Running it twice gives the same tags.
@@ -212,6 +215,23 @@ def _tag(view, wanted: set, ac_graph_id: int, nodes: list) -> None:
         if n.target is operator.getitem and n.args[0].meta.get("recompute") is MUST_SAVE \
                 and not is_save(n.meta.get("recompute")):
             n.meta["recompute"] = n.meta[DECISION] = PREFER_SAVE
+        elif _free_to_rebuild(n):
+            del n.meta["ac_graph_id"]
+
+
+def _free_to_rebuild(n: torch.fx.Node) -> bool:
+    """A value made from no tensor (``iota``, ``full``, ``arange``), not random, that the region
+    replays: it keeps its RECOMPUTE tag but gets no ``ac_graph_id``, so the partitioner
+    rebuilds it wherever it is read. With an id, the partitioner's common-subexpression pass
+    (which runs before it reads the tags) merges identical ones of two regions into the first
+    region's node, and ``cleanup_recompute_tags`` then saves it at the boundary as a value a
+    later region reads: transformers' Mixtral saved an ``iota`` that torch's own checkpoint
+    does not, the bench's MoE two ``full`` buffers. (Untagged altogether, the partitioner's
+    min cut saves a ``full`` that a scatter writes into: "materialized in backward".)"""
+    op = n.target
+    return (isinstance(op, torch._ops.OpOverload) and not is_save(n.meta.get("recompute"))
+            and torch.Tag.nondeterministic_seeded not in op.tags
+            and not any(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes))
 
 
 def tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
