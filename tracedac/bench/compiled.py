@@ -153,13 +153,13 @@ def _in_turns(base: GPT, batch, cfg: Config, steps: int, say) -> dict[str, list]
 
     torch._dynamo.reset()
     variants = {v.key: v for v in VARIANTS if v.key in IN_TURNS}
-    say(f"step times in turns: {len(variants)} variants compiled again (inductor's caches hold their graphs)")
+    say(f"step times in turns: {len(variants)} variants compiled again")
     models = {}
     with torch._dynamo.config.patch(recompile_limit=4 * len(variants)):
         for key, v in variants.items():
             original = v.apply(copy.deepcopy(base))
             models[key] = torch.compile(original, fullgraph=True) if v.compiled else original
-            seeded_step(models[key], batch, cfg.seed)  # compiles (inductor's caches hold the graphs)
+            seeded_step(models[key], batch, cfg.seed)  # compiles: a recompile of the model's code
             clear_grads(models[key])
         frames = counters["frames"]["total"]
 
