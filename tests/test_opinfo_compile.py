@@ -1,6 +1,6 @@
 """torch's OpInfo database as an oracle for the compile path: ops whose graphs exercise the
-joint-graph pass (views and multi-output ops, in-place writes, values made from no tensor,
-indexing and scatters, reductions, normalizations, matmuls, random ops) inside a region,
+joint-graph pass (views and multi-output ops, in-place writes, masks and padding, indexing
+and scatters, reductions, normalizations, matmuls, random ops) inside a region,
 compiled fullgraph, against the same function compiled without the region.
 
 Each op's first float64 CPU sample runs as a region under ``recompute_all`` and
