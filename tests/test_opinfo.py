@@ -98,12 +98,14 @@ def _loss(out):
     return total
 
 
-def _execute(case: _Case, policy):
-    """(outputs, gradients, final tensor arguments) of one run, eager when ``policy`` is None."""
+def _execute(case: _Case, policy, fn=None, wrap=lambda f: f):
+    """(outputs, gradients, final tensor arguments) of one run, eager when ``policy`` is None.
+    ``fn``: the function to run (default the case's); ``wrap``: applied last (a compiler)."""
     flat = case.fresh()
-    fn = case.function()
+    fn = case.function() if fn is None else fn
     if policy is not None:
         fn = tracedac.checkpoint(fn, policy=policy)
+    fn = wrap(fn)
     leaves = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
     torch.manual_seed(0)
     out = fn(*flat)

@@ -21,7 +21,8 @@ import torch
 import tracedac
 from tracedac import policies
 
-from .test_opinfo import _Case, _loss, _samples, _same
+from .test_opinfo import _Case, _samples, _same
+from .test_opinfo import _execute as _run
 
 common_methods_invocations = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 
@@ -77,20 +78,9 @@ def _function(case: _Case):
 
 
 def _execute(case: _Case, policy):
-    """(outputs, gradients, final tensor arguments) of the compiled function; ``policy`` None:
-    no region."""
-    flat = case.fresh()
-    fn = _function(case)
-    if policy is not None:
-        fn = tracedac.checkpoint(fn, policy=policy)
-    compiled = torch.compile(fn, backend=BACKEND, fullgraph=True, dynamic=False)
-    leaves = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
-    torch.manual_seed(0)
-    out = compiled(*flat)
-    loss = _loss(out)
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss is not None and leaves else ()
-    outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in torch.utils._pytree.tree_flatten(out)[0]]
-    return outs, grads, [t.detach() for t in flat if isinstance(t, torch.Tensor)]
+    """test_opinfo's run of ``case``, compiled fullgraph; ``policy`` None: no region."""
+    return _run(case, policy, _function(case),
+                lambda f: torch.compile(f, backend=BACKEND, fullgraph=True, dynamic=False))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -15,18 +15,12 @@ from tracedac import policies
 from tracedac.compile.report import partition
 from tracedac.integrations import hf
 
+from ..test_compile import fresh_dynamo  # noqa: F401  (autouse: dynamo reset around each test)
 from .hf_models import batch, build, loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 BACKEND = "aot_eager_decomp_partition"
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def inputs():
