@@ -23,7 +23,7 @@ def _part(two_ranks, name):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("dcp"))
-    parts = [("mismatched", ()), ("diverge", ()), ("equivalence", (VARIANTS,)), ("memory", ()), ("mixed", ()), ("state_dicts", (tmp,))]
+    parts = [("mismatched", ()), ("diverge", ()), ("diverge_after_a_step", ()), ("checks", ()), ("equivalence", (VARIANTS,)), ("memory", ()), ("mixed", ()), ("state_dicts", (tmp,))]
     results = run_ranks(w.several, 2, parts, timeout=240)
     return results, tmp
 
@@ -118,6 +118,38 @@ def test_ranks_that_run_different_units_all_raise_at_once_instead_of_exchanging_
     for rank, (elapsed, message) in enumerate(_part(two_ranks, "diverge")):
         assert message is not None and "blocks.1" in message and "blocks.2" in message, message
         assert elapsed < 10, elapsed  # at once, not after the 20 s timeout
+
+
+def test_ranks_that_diverge_after_the_order_is_learned_raise_too(two_ranks):
+    """From the second step a unit's groups start together after one check, and the next
+    unit's are prefetched, as the last pass ran them: both ranks prefetch block 1; rank 0
+    uses it and prefetches block 2's two groups together, rank 1 (block 1 skipped) is at
+    block 2's first group out of that order. Both raise there, naming it; no process is
+    left holding a gathered unit."""
+    for rank, (elapsed, message, live) in enumerate(_part(two_ranks, "diverge_after_a_step")):
+        assert message is not None and "blocks.2" in message and "last pass's order" in message, message
+        assert elapsed < 10, elapsed
+        assert live == 0
+
+
+def test_a_units_groups_are_checked_once_and_train_as_before(two_ranks):
+    """Under "auto" each block is three groups (LayerNorm, Linear, the Block's own). Once a
+    pass has taught the order, one order check covers a unit's all-gathers, which start
+    together: at most half as many checks as all-gathers, and exactly the all-gathers of
+    the same model without prefetching (each checked alone): none wasted, none more. Losses
+    equal that model's and the module list's (whose blocks are two groups)."""
+    for result in _part(two_ranks, "checks"):
+        auto, alone, listed = result["auto"], result["auto-alone"], result["listed"]
+        assert auto["losses"] == alone["losses"] == listed["losses"], result
+        assert auto["groups"] > listed["groups"], result
+        for r in (auto, alone, listed):
+            first = r["counts"][0]
+            assert first["checks"] == first["all-gather"] + first["reduce-scatter"], r  # nothing learned yet
+        for c in alone["counts"]:
+            assert c["checks"] == c["all-gather"] + c["reduce-scatter"], alone
+        last, last_alone = auto["counts"][-1], alone["counts"][-1]
+        assert last["all-gather"] == last_alone["all-gather"], result
+        assert last["checks"] - last["reduce-scatter"] <= last["all-gather"] // 2, auto
 
 
 def test_a_rank_that_dies_makes_the_others_fail_within_the_timeout():

@@ -123,7 +123,8 @@ def equivalence(rank, world, variants=("plain",)):
 
 
 class GatherLog:
-    """Counts gathers per flat group and keeps weak references to every gathered buffer."""
+    """Counts gathers per flat group, the bytes of parameters all-gathered, and keeps weak
+    references to every gathered buffer."""
 
     def __init__(self):
         self.counts = collections.Counter()
@@ -135,9 +136,9 @@ class GatherLog:
         self.prefetched = self.starts = 0
         self._start = zops.FlatGroup.start
 
-        def start(flat, shard, dtype=None):
-            log.starts += 1
-            return log._start(flat, shard, dtype)
+        def start(flat, shard, dtype=None, together=()):
+            log.starts += 1 + len(together)
+            return log._start(flat, shard, dtype, together)
 
         def gather(flat, shard, dtype=None):
             log.prefetched += flat.pending is not None
@@ -147,7 +148,8 @@ class GatherLog:
             return out
 
         def all_gather(out, src, **kw):
-            log.bytes += out.numel() * out.element_size()
+            if out.dtype != torch.int64:  # not an order check's rows: parameters
+                log.bytes += out.numel() * out.element_size()
             return log._all_gather(out, src, **kw)
 
         zops.FlatGroup.gather, zops.FlatGroup.start, zops._all_gather = gather, start, all_gather
@@ -290,6 +292,57 @@ def diverge(rank, world):
     except zero.ZeroError as e:
         return time.monotonic() - start, str(e)
     return time.monotonic() - start, None
+
+
+def diverge_after_a_step(rank, world):
+    """Both ranks train a step (the order of gathers is learned: a unit's groups then start
+    together after one check), then rank 1 skips block 1: ZeroError on every rank."""
+    m = zero.shard(model(tie=False), timeout=20)
+    train(m, rank, world, steps=1)
+    m.skip = (1,) if rank == 1 else ()
+    x, y = rank_batch(1, rank, world)
+    start = time.monotonic()
+    try:
+        F.mse_loss(m(x), y).backward()
+    except zero.ZeroError as e:
+        return time.monotonic() - start, str(e), len(zops._LIVE)
+    return time.monotonic() - start, None, len(zops._LIVE)
+
+
+def checks(rank, world):
+    """Order checks and all-gathers started per step under "auto" (three groups per block),
+    with prefetching (a unit's groups start together) and without (each checked alone), and
+    under the module list; the losses of each."""
+    counted = collections.Counter()
+    real = zops.FlatGroup.agree
+
+    def agree(flat, what, dtype, together=()):
+        counted["checks"] += 1
+        counted[what] += 1 + len(together)
+        return real(flat, what, dtype, together)
+
+    out = {}
+    for name, mp, prefetch in (("listed", zero.MixedPrecision(), True), ("auto", zero.MixedPrecision("auto"), True),
+                               ("auto-alone", zero.MixedPrecision("auto"), False)):
+        m = zero.shard(model(tie=False), mixed_precision=mp, prefetch=prefetch)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        losses, counts = [], []
+        for step in range(3):
+            x, y = rank_batch(step, rank, world)
+            counted.clear()
+            zops.FlatGroup.agree = agree
+            try:
+                with torch.autocast("cpu", torch.bfloat16):
+                    loss = F.mse_loss(m(x).float(), y)
+                loss.backward()
+            finally:
+                zops.FlatGroup.agree = real
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            counts.append(dict(counted))
+        out[name] = dict(losses=losses, counts=counts, groups=len({g.key for g in m._tracedac_zero.all_groups}))
+    return out
 
 
 def several(rank, world, parts, where=None):

@@ -112,6 +112,37 @@ class Prefetch:
             if pending is not None:
                 group.wait(pending.work, "all-gather (prefetched, not used)")
 
+    def together(self, group: FlatGroup, backward: bool, at: int | None = None) -> tuple:
+        """The groups of ``group``'s unit that the last pass of this kind gathered right after
+        it, from position ``at`` (default: the gather about to be recorded), and not started
+        yet: their all-gathers start with ``group``'s, after one order check for all (a unit
+        of "auto" groups, say a LayerNorm, a Linear and an MoE group, checks once, not three
+        times). The same on every rank: the order is."""
+        if not self.enabled:
+            return ()
+        if at is None:
+            if backward != self.backward:
+                self.begin(backward)  # (what ``after`` would do; here before anything starts)
+            at = len(self.current)
+        order = self.learned.get(backward, ())
+        if at >= len(order) or order[at] is not group:
+            return ()
+        run: list = []
+        for g in order[at + 1:]:
+            if g.owner is not group.owner or g is group or g in run:
+                break
+            if g.pending is None:
+                run.append(g)
+        return tuple(run)
+
+    def started(self, group: FlatGroup) -> None:
+        """``group``'s all-gather is in flight: drained with its pass if no gather takes it (in
+        backward, an engine callback at its end)."""
+        self.inflight.append(group)
+        if torch._C._current_graph_task_id() != -1 and not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.drain)
+
     def after(self, group: FlatGroup, backward: bool) -> FlatGroup | None:
         """Record a gather of ``group``; return the group to prefetch next, if any."""
         if backward != self.backward:
@@ -187,6 +218,7 @@ class FlatGroup:
         self.summoned = False  # inside full_parameters(): the DTensors are swapped out
         self.local = self.leaf = None
         self.auto = False  # MixedPrecision("auto"): dtype decided from the first forward (zero/auto.py)
+        self.owner = None  # the unit whose shards these are (its groups start together: Prefetch.together)
 
     def dtype_now(self) -> torch.dtype:
         """The dtype to gather in now: the travel dtype, except that an ``"auto"`` group
@@ -227,47 +259,72 @@ class FlatGroup:
             "Look at the other ranks' errors first; the timeout is shard(..., timeout=...)."
         )
 
-    def agree(self, what: str, dtype: torch.dtype) -> None:
+    def agree(self, what: str, dtype: torch.dtype, together: tuple = ()) -> None:
         """Check, before a collective, that every rank is about to run this one.
 
         Ranks that took different branches would otherwise pair different collectives:
         silently wrong values when their sizes match, a gloo abort when they do not. A
-        fixed-size all-gather of (collective, size, group name, dtype) cannot abort; every rank
-        sees every row, so every rank raises at the same point. The dtype is part of it: the
-        same group gathered in bf16 on one rank (a forward under autocast, "auto" having
-        decided bf16) and fp32 on another would pair buffers of different byte sizes.
+        fixed-size all-gather of (collective, size, group name, dtype, how many groups, all of
+        them) cannot abort; every rank sees every row, so every rank raises at the same point.
+        The dtype is part of it: the same group gathered in bf16 on one rank (a forward under
+        autocast, "auto" having decided bf16) and fp32 on another would pair buffers of
+        different byte sizes. ``together``: ``(group, dtype)`` pairs whose all-gathers start
+        right after this one (the rest of its unit, ``Prefetch.together``): one check for all.
         """
         if self.world == 1:
             return
         device = collective_device(dist.get_backend(self.group), self.local.device)
-        mine = torch.tensor([_WHAT[what], self.shard_numel, self.crc, _dtype_code(dtype)], dtype=torch.int64,
+        run = ((self, dtype), *together)
+        numel = sum(g.shard_numel for g, _ in run)
+        every = zlib.crc32(" ".join(f"{g.name}:{d}" for g, d in run).encode())
+        mine = torch.tensor([_WHAT[what], numel, self.crc, _dtype_code(dtype), len(run), every], dtype=torch.int64,
                             device=device)
         rows = torch.empty(self.world, mine.numel(), dtype=torch.int64, device=device)
         self.wait(_all_gather(rows.view(-1), mine, group=self.group, async_op=True), f"{what} (order check)")
         if bool((rows == mine).all()):
             return
         r = next(r for r in range(self.world) if not bool((rows[r] == mine).all()))
-        kind, _, crc, code = rows[r].tolist()
-        if kind == _WHAT[what] and crc == self.crc:  # the same collective: only the dtype differs
+        kind, _, crc, code, count, _ = rows[r].tolist()
+        more = f" (and {len(run) - 1} more of its unit's groups)" if len(run) > 1 else ""
+        if kind == _WHAT[what] and crc == self.crc and count == len(run):  # the same collective: dtypes differ
+            theirs = f" in {_dtype_named(code)}" if code != _dtype_code(dtype) else " in other dtypes"
             raise ZeroError(
-                f"rank {self.rank} is at the {what} of {self.name} in {dtype} but rank {r} is at "
-                f"the same {what} in {_dtype_named(code)}: the ranks gather or reduce this group in "
+                f"rank {self.rank} is at the {what} of {self.name}{more} in {dtype} but rank {r} is at "
+                f"the same {what}{theirs}: the ranks gather or reduce this group in "
                 "different dtypes (a forward under torch.autocast on some ranks only, with "
                 "MixedPrecision(\"auto\") or a fused cast). Run every rank's forward under the same "
                 "autocast; nothing was exchanged."
             )
+        if kind == _WHAT[what] and crc == self.crc:  # the same gather, started with other groups
+            raise ZeroError(
+                f"rank {self.rank} is at the {what} of {self.name} with {len(run) - 1} more of its unit's "
+                f"groups, as the last pass ran them, but rank {r} is at it with {count - 1}: one of them "
+                "left the last pass's order of gathers, so the ranks run different units (a branch "
+                "taken on some ranks only, a unit skipped, a different number of forwards). Every rank "
+                "must run the same units in the same order; nothing was exchanged."
+            )
         theirs = next((g.name for g in list(_GROUPS.values()) if g.crc == crc), "a group this rank does not know")
         raise ZeroError(
-            f"rank {self.rank} is at the {what} of {self.name} but rank {r} is at the "
-            f"{_WHAT_NAMES.get(kind, 'unknown collective')} of {theirs}: the ranks run different "
+            f"rank {self.rank} is at the {what} of {self.name}{more} but rank {r} is at the "
+            f"{_WHAT_NAMES.get(kind, 'unknown collective')} of {theirs}"
+            f"{f' (and {count - 1} more)' if count > 1 else ''}: the ranks run different "
             "units (a branch taken on some ranks only, a unit skipped, a different number of "
             "forwards). Every rank must run the same units in the same order; nothing was exchanged."
         )
 
-    def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> _Pending:
-        """Start the all-gather of ``shard`` in the travel dtype (or ``dtype``), asynchronously."""
+    def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None, together: tuple = ()) -> _Pending:
+        """Start the all-gather of ``shard`` in the travel dtype (or ``dtype``), asynchronously,
+        and then those of ``together``'s groups (each from its own buffer in its travel dtype,
+        pending until its own gather takes it), after one order check for all."""
         dtype = self.travel if dtype is None else dtype
-        self.agree("all-gather", dtype)
+        self.agree("all-gather", dtype, tuple((g, g.travel) for g in together))
+        pending = self._issue(shard, dtype)
+        for g in together:
+            g.pending = g._issue(g.leaf, g.travel)
+            self.state.started(g)
+        return pending
+
+    def _issue(self, shard: torch.Tensor, dtype: torch.dtype) -> _Pending:
         if dtype == shard.dtype:
             src = shard.detach()  # no cast: gather straight from the shard
         else:
@@ -292,8 +349,9 @@ class FlatGroup:
             self.wait(pending.work, "all-gather (prefetched)")
             pending = None
         if pending is None:
-            pending = self.pending = self.start(shard, dtype)
-            self.state.inflight.append(self)  # drained with its pass if no wait consumes it
+            backward = torch._C._current_graph_task_id() != -1
+            pending = self.pending = self.start(shard, dtype, self.state.together(self, backward))
+            self.state.started(self)
         return pending
 
     def end_gather(self, started: torch.Tensor) -> torch.Tensor:
@@ -321,11 +379,8 @@ class FlatGroup:
         state = self.state
         nxt = state.after(self, backward)
         if nxt is not None and nxt.pending is None:
-            nxt.pending = nxt.start(nxt.leaf)
-            state.inflight.append(nxt)
-            if backward and not state.queued:
-                state.queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(state.drain)
+            nxt.pending = nxt.start(nxt.leaf, together=state.together(nxt, backward, len(state.current)))
+            state.started(nxt)
 
     def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
         self.agree("reduce-scatter", self.reduce_dtype)

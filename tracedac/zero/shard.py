@@ -120,7 +120,14 @@ class Unit:
                 "full parameters are plain tensors there and would not be gathered or reduced. "
                 "Run forward outside the with block."
             )
-        gathered = [Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key, g.dtype_now())) for g in self.groups]
+        gathered = []
+        try:
+            for g in self.groups:
+                gathered.append(Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key, g.dtype_now())))
+        except BaseException:  # (a ZeroError from an order check): nothing gathered here outlives it
+            for e in gathered:
+                torch.ops.tracedac.release(e.full.detach(), e.flat.key)
+            raise
         views = [split_views(g.full, g.flat.slices, g.flat.world) for g in gathered]
         for s in self.slots:
             s.module.__dict__[s.attr] = views[s.group][s.piece]
@@ -528,6 +535,8 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     ``requires_grad`` share one flat fp32 buffer per rank (one all-gather). Submodules
     sharded before keep their parameters (FSDP2's nesting: shard the blocks, then the
     model). Ranks must hold the same values before sharding (same seed), or load after.
+    ``prefetch``: start the next unit's all-gathers (and a unit's groups together, one
+    order check for them) in the order the last pass ran them.
     ``timeout`` (seconds or a timedelta) bounds every wait on a collective: a rank that
     dies makes the others raise.
     """
@@ -726,6 +735,7 @@ def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
                       mp.reduce_dtype if mp is not None else torch.float32, group, timeout, state)
         g.local = local  # bound (DTensors made) once _attach knows every place each is held
         g.auto = cls is not None
+        g.owner = unit
         for piece, p in enumerate(params):
             owner[id(p)] = (g, piece)
             # The replaced Parameter remembers where it went: a later shard() of an enclosing
