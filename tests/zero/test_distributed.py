@@ -115,9 +115,10 @@ def test_ranks_with_different_models_are_refused_at_shard_time_naming_the_parame
 def test_ranks_that_run_different_units_all_raise_at_once_instead_of_exchanging_wrong_values(two_ranks):
     """Blocks 1 and 2 have the same sizes: without the order check the ranks would pair
     their gathers silently; with other sizes gloo would abort the process."""
-    for rank, (elapsed, message) in enumerate(_part(two_ranks, "diverge")):
+    for rank, (elapsed, message, live) in enumerate(_part(two_ranks, "diverge")):
         assert message is not None and "blocks.1" in message and "blocks.2" in message, message
         assert elapsed < 10, elapsed  # at once, not after the 20 s timeout
+        assert live == 0
 
 
 def test_ranks_that_diverge_after_the_order_is_learned_raise_too(two_ranks):

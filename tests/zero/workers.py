@@ -281,32 +281,26 @@ def dead_rank(rank, world):
     return time.monotonic() - start, None
 
 
-def diverge(rank, world):
-    """Rank 1 skips block 1: every rank raises ZeroError at the first collective that differs."""
+def diverge(rank, world, learned=False):
+    """Rank 1 skips block 1: every rank raises ZeroError at the first collective that differs.
+    ``learned``: both ranks train a step first (the order of gathers is learned: a unit's
+    groups then start together after one check, and the next unit's are prefetched).
+    Returns (seconds, message, gathered buffers a unit still holds)."""
     m = zero.shard(model(tie=False), timeout=20)
+    if learned:
+        train(m, rank, world, steps=1)
     m.skip = (1,) if rank == 1 else ()
-    x, y = rank_batch(0, rank, world)
-    start = time.monotonic()
-    try:
-        F.mse_loss(m(x), y).backward()
-    except zero.ZeroError as e:
-        return time.monotonic() - start, str(e)
-    return time.monotonic() - start, None
-
-
-def diverge_after_a_step(rank, world):
-    """Both ranks train a step (the order of gathers is learned: a unit's groups then start
-    together after one check), then rank 1 skips block 1: ZeroError on every rank."""
-    m = zero.shard(model(tie=False), timeout=20)
-    train(m, rank, world, steps=1)
-    m.skip = (1,) if rank == 1 else ()
-    x, y = rank_batch(1, rank, world)
+    x, y = rank_batch(int(learned), rank, world)
     start = time.monotonic()
     try:
         F.mse_loss(m(x), y).backward()
     except zero.ZeroError as e:
         return time.monotonic() - start, str(e), len(zops._LIVE)
     return time.monotonic() - start, None, len(zops._LIVE)
+
+
+def diverge_after_a_step(rank, world):
+    return diverge(rank, world, learned=True)
 
 
 def checks(rank, world):
