@@ -194,6 +194,9 @@ def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_e
     unchecked = by["tracedacc_bf16_unchecked"]["all_gather_bytes"]
     assert auto.get("int64", 0) > 0 and "int64" not in unchecked, (auto, unchecked)
     assert unchecked["bfloat16"] == auto["bfloat16"]
+    # no doubled-batch reading for compiled rows (a new shape compiles new graphs): "-", "n/a"
+    assert by["tracedacc_fp32"]["bytes_fixed"] is None and by["tracedacc_fp32"]["full_unit_held"] is None
+    assert by["tracedac_fp32"]["bytes_fixed"] is not None
     names = [t["name"] for t in figures["targets"]]
     assert "tracedac.zero compiled fp32 step / FSDP2 compiled fp32" in names
     assert "graph breaks, tracedac.zero compiled (checkpointed MoE)" in names

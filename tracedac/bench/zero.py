@@ -20,7 +20,9 @@ every step a seed shared by all variants and ranks, so dropout draws alike. Figu
   grow with the batch and held parameters do not, so ``2 * held(b) - held(2b)`` is the
   part independent of the batch. "full unit held" is when that part is at least half of
   the smallest unit's parameters in the row's compute dtype (a held unit adds all of its
-  bytes; allocator noise is kilobytes).
+  bytes; allocator noise is kilobytes). Not for compiled rows: the doubled batch is a new
+  shape, which compiles new graphs whose workspace differs, so the difference would say
+  nothing (it read -10 MiB), and the recompiles took half of a ``--zero --compile`` run.
 - **all-gather bytes per step, by dtype**: one more step under ``AllGatherCounter``, a
   dispatch mode that counts ``c10d``/``_c10d_functional`` all-gather ops (the gathered
   tensors' bytes), entering custom ops so that collectives inside them are seen too.
@@ -194,11 +196,12 @@ def _measure(cfg: Config, steps: int, say, variants) -> tuple[dict[str, dict], d
 
     times = time_in_turns(trainers, steps, timed_step, say)
     say("all-gather bytes, then bytes held after forward at the rank's batch and at twice it")
+    compiled = {v.key for v in variants if v.compiled}
     for key, trainer in trainers.items():
         with AllGatherCounter() as counter:
             _step(trainer, batch, cfg.seed + _COUNT_SEED)
         held = _held_after_forward(trainer, batch, cfg.seed + _MEMORY_SEED)
-        held_doubled = _held_after_forward(trainer, doubled, cfg.seed + _MEMORY_SEED)
+        held_doubled = None if key in compiled else _held_after_forward(trainer, doubled, cfg.seed + _MEMORY_SEED)
         found[key].update(step_times_s=times[key], loss=losses[key], all_gather_bytes=dict(counter.bytes),
                           all_gather_bytes_total=counter.total(), all_gather_calls=counter.calls,
                           bytes_held=held, bytes_held_doubled=held_doubled)
@@ -216,9 +219,12 @@ def _combine(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
             rows = [r[key] for r in per_rank]
             row["step_times_s"] = [max(ts) for ts in zip(*(r["step_times_s"] for r in rows))]
             row["loss"] = statistics.fmean(r["loss"] for r in rows)
-            for field in ("bytes_held", "bytes_held_doubled", "graph_breaks", "first_step_s"):
+            for field in ("bytes_held", "graph_breaks", "first_step_s"):
                 row[field] = max(r[field] for r in rows)
-            row["bytes_fixed"] = max(2 * r["bytes_held"] - r["bytes_held_doubled"] for r in rows)
+            doubled = [r["bytes_held_doubled"] for r in rows]
+            row["bytes_held_doubled"] = None if None in doubled else max(doubled)
+            row["bytes_fixed"] = (None if None in doubled
+                                  else max(2 * r["bytes_held"] - d for r, d in zip(rows, doubled)))
         out[key] = row
     return out
 
@@ -235,7 +241,8 @@ def _rows(found: dict[str, dict], units: dict[str, int], variants) -> list[dict]
             row["step_s"] = step[v.key]
             row["step_vs_fsdp2"] = None if baseline is None else step[v.key] / baseline
             unit = row["smallest_unit_bytes"] = smallest * (2 if v.bf16 else 4)
-            row["full_unit_held"] = None if unit < _MIN_UNIT_BYTES else row["bytes_fixed"] >= _FULL_UNIT * unit
+            fixed = row["bytes_fixed"]
+            row["full_unit_held"] = None if unit < _MIN_UNIT_BYTES or fixed is None else fixed >= _FULL_UNIT * unit
             row["loss_diff"] = None if reference is None else abs(row["loss"] - reference)
         rows.append(row)
     return rows
@@ -390,7 +397,7 @@ def _row_cells(row: dict) -> list[str]:
         f"{row['step_s'] * 1e3:.0f} ms",
         "-" if row["step_vs_fsdp2"] is None else f"{row['step_vs_fsdp2']:.2f}x",
         mib(row["bytes_held"]),
-        mib(row["bytes_fixed"]),
+        "-" if row["bytes_fixed"] is None else mib(row["bytes_fixed"]),
         {None: "n/a", True: "yes", False: "no"}[row["full_unit_held"]],
         _gathered(row),
         f"{row['loss']:.4f}",

@@ -222,6 +222,7 @@ class ZeroVariant:
     make: Callable[[GPT, bool, int], Trainer]
     unavailable: Callable[[], str | None] = lambda: None
     baseline: str = "fsdp2"  # the row this one's step time is compared with: {baseline}_{precision}
+    compiled: bool = False  # its blocks run compiled graphs
 
     @property
     def precision(self) -> str:
@@ -250,13 +251,15 @@ COMPILED_VARIANTS: tuple[ZeroVariant, ...] = (
     ZeroVariant("tracedac_fp32", "tracedac.zero eager fp32", "tracedac", False, _tracedac_checkpointed,
                 baseline="fsdp2c"),
     ZeroVariant("tracedacc_fp32", "tracedac.zero compiled fp32", "tracedac", False, _tracedac_compiled,
-                baseline="fsdp2c"),
-    ZeroVariant("fsdp2c_fp32", "FSDP2 compiled fp32", "fsdp2", False, _fsdp2_compiled, baseline="fsdp2c"),
+                baseline="fsdp2c", compiled=True),
+    ZeroVariant("fsdp2c_fp32", "FSDP2 compiled fp32", "fsdp2", False, _fsdp2_compiled, baseline="fsdp2c",
+                compiled=True),
     ZeroVariant("tracedac_bf16", "tracedac.zero eager bf16 auto", "tracedac", True, _tracedac_checkpointed,
                 baseline="fsdp2c"),
     ZeroVariant("tracedacc_bf16", "tracedac.zero compiled bf16 auto", "tracedac", True, _tracedac_compiled,
-                baseline="fsdp2c"),
-    ZeroVariant("fsdp2c_bf16", "FSDP2 compiled bf16", "fsdp2", True, _fsdp2_compiled, baseline="fsdp2c"),
+                baseline="fsdp2c", compiled=True),
+    ZeroVariant("fsdp2c_bf16", "FSDP2 compiled bf16", "fsdp2", True, _fsdp2_compiled, baseline="fsdp2c",
+                compiled=True),
     ZeroVariant("tracedacc_bf16_unchecked", "(compiled bf16 auto, no order check)", "tracedac", True,
-                _tracedac_compiled_unchecked, baseline="fsdp2c"),
+                _tracedac_compiled_unchecked, baseline="fsdp2c", compiled=True),
 )
