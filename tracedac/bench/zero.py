@@ -195,7 +195,7 @@ def _measure(cfg: Config, steps: int, say, variants) -> tuple[dict[str, dict], d
         return seconds
 
     times = time_in_turns(trainers, steps, timed_step, say)
-    say("all-gather bytes, then bytes held after forward at the rank's batch and at twice it")
+    say("all-gather bytes, then bytes held after forward at the rank's batch and (eager rows) at twice it")
     compiled = {v.key for v in variants if v.compiled}
     for key, trainer in trainers.items():
         with AllGatherCounter() as counter:
