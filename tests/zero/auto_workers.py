@@ -16,24 +16,25 @@ import tracedac.zero as zero
 from . import workers as w
 
 
-def _train(m, rank, world, steps=3):
-    """Losses and all-gather bytes per step, each forward under bf16 autocast."""
+def _train(m, rank, world, steps=3, log=w.GatherLog, read=lambda log: log.bytes):
+    """Losses and, per step, what ``read`` finds in a ``log`` open over forward and backward
+    (default: all-gather bytes); each forward under bf16 autocast."""
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    losses, wire = [], []
+    losses, logged = [], []
     for step in range(steps):
         x, y = w.rank_batch(step, rank, world)
-        log = w.GatherLog()
+        opened = log()
         try:
             with torch.autocast("cpu", torch.bfloat16):
                 loss = F.mse_loss(m(x).float(), y)
             loss.backward()
         finally:
-            log.close()
+            opened.close()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        wire.append(log.bytes)
-    return losses, wire
+        logged.append(read(opened))
+    return losses, logged
 
 
 def _dtypes(m) -> dict:

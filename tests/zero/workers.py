@@ -303,38 +303,36 @@ def diverge_after_a_step(rank, world):
     return diverge(rank, world, learned=True)
 
 
+class CheckLog:
+    """Counts order checks, and the collectives each covers by kind, until ``close``."""
+
+    def __init__(self):
+        self.counted = collections.Counter()
+        self._agree = real = zops.FlatGroup.agree
+        log = self
+
+        def agree(flat, what, dtype, together=()):
+            log.counted["checks"] += 1
+            log.counted[what] += 1 + len(together)
+            return real(flat, what, dtype, together)
+
+        zops.FlatGroup.agree = agree
+
+    def close(self):
+        zops.FlatGroup.agree = self._agree
+
+
 def checks(rank, world):
     """Order checks and all-gathers started per step under "auto" (three groups per block),
     with prefetching (a unit's groups start together) and without (each checked alone), and
     under the module list; the losses of each."""
-    counted = collections.Counter()
-    real = zops.FlatGroup.agree
-
-    def agree(flat, what, dtype, together=()):
-        counted["checks"] += 1
-        counted[what] += 1 + len(together)
-        return real(flat, what, dtype, together)
+    from .auto_workers import _train
 
     out = {}
     for name, mp, prefetch in (("listed", zero.MixedPrecision(), True), ("auto", zero.MixedPrecision("auto"), True),
                                ("auto-alone", zero.MixedPrecision("auto"), False)):
         m = zero.shard(model(tie=False), mixed_precision=mp, prefetch=prefetch)
-        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-        losses, counts = [], []
-        for step in range(3):
-            x, y = rank_batch(step, rank, world)
-            counted.clear()
-            zops.FlatGroup.agree = agree
-            try:
-                with torch.autocast("cpu", torch.bfloat16):
-                    loss = F.mse_loss(m(x).float(), y)
-                loss.backward()
-            finally:
-                zops.FlatGroup.agree = real
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            counts.append(dict(counted))
+        losses, counts = _train(m, rank, world, log=CheckLog, read=lambda log: dict(log.counted))
         out[name] = dict(losses=losses, counts=counts, groups=len({g.key for g in m._tracedac_zero.all_groups}))
     return out
 

@@ -112,13 +112,7 @@ def _measure(variant: CompiledVariant, base: GPT, batch, cfg: Config, steps: int
         row["tokens_counted"] = _tokens(original)
         row["graph_breaks"] = sum(counters["graph_break"].values()) if variant.compiled else None
         row["grads"] = {n: p.grad.detach().clone() for n, p in original.named_parameters()}
-        times = []
-        for rep in range(steps):
-            clear_grads(model)
-            start = time.perf_counter()
-            seeded_step(model, batch, cfg.seed + 1 + rep)
-            times.append(time.perf_counter() - start)
-        row["step_s"] = statistics.median(times)
+        row["step_s"] = statistics.median(_timed_step(model, batch, cfg, rep) for rep in range(steps))
         row["bytes_held"] = _held_after_forward(model, batch, cfg.seed, torch.device("cpu"))
         say(f"{variant.label}: compiled in {row['compile_s'] or 0:.1f}s, step {row['step_s']:.3f}s")
         if variant.compiled:
@@ -132,6 +126,14 @@ def _measure(variant: CompiledVariant, base: GPT, batch, cfg: Config, steps: int
     clear_grads(model)
     torch._dynamo.reset()
     return row
+
+
+def _timed_step(model, batch, cfg: Config, rep: int) -> float:
+    """Seconds of timed step ``rep`` (its own seed) from cleared gradients."""
+    clear_grads(model)
+    start = time.perf_counter()
+    seeded_step(model, batch, cfg.seed + 1 + rep)
+    return time.perf_counter() - start
 
 
 # The variants the step-time targets compare, timed again taking turns (``_in_turns``).
@@ -163,13 +165,8 @@ def _in_turns(base: GPT, batch, cfg: Config, steps: int, say) -> dict[str, list]
             clear_grads(models[key])
         frames = counters["frames"]["total"]
 
-        def timed_step(key, rep):
-            clear_grads(models[key])
-            start = time.perf_counter()
-            seeded_step(models[key], batch, cfg.seed + 1 + rep)
-            return time.perf_counter() - start
-
-        times = time_in_turns(list(models), steps, timed_step, say, "step times in turns")
+        times = time_in_turns(list(models), steps, lambda key, rep: _timed_step(models[key], batch, cfg, rep), say,
+                              "step times in turns")
         if counters["frames"]["total"] != frames:
             raise RuntimeError("a variant recompiled while the step times were taken in turns: its times include "
                                "a compile. Report this with the bench's output.")

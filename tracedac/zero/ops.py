@@ -95,6 +95,11 @@ class Prefetch:
         self.queued = False  # a drain is queued for the end of the running backward
         self.auto = None  # the model's zero.auto.Auto, under MixedPrecision(param_dtype="auto")
 
+    def _pass(self, backward: bool) -> None:
+        """A gather of a forward (``backward`` False) or backward: a new pass if the kind changed."""
+        if backward != self.backward:
+            self.begin(backward)
+
     def begin(self, backward: bool) -> None:
         if self.backward is not None:
             self.learned[self.backward] = self.current
@@ -121,8 +126,7 @@ class Prefetch:
         if not self.enabled:
             return ()
         if at is None:
-            if backward != self.backward:
-                self.begin(backward)  # (what ``after`` would do; here before anything starts)
+            self._pass(backward)  # (what ``after`` does; here before anything starts)
             at = len(self.current)
         order = self.learned.get(backward, ())
         if at >= len(order) or order[at] is not group:
@@ -139,20 +143,24 @@ class Prefetch:
         """``group``'s all-gather is in flight: drained with its pass if no gather takes it (in
         backward, an engine callback at its end)."""
         self.inflight.append(group)
-        if torch._C._current_graph_task_id() != -1 and not self.queued:
+        if _in_backward() and not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.drain)
 
     def after(self, group: FlatGroup, backward: bool) -> FlatGroup | None:
         """Record a gather of ``group``; return the group to prefetch next, if any."""
-        if backward != self.backward:
-            self.begin(backward)
+        self._pass(backward)
         i = len(self.current)
         self.current.append(group)
         order = self.learned.get(backward, ())
         if self.enabled and i + 1 < len(order) and order[i] is group:
             return order[i + 1]
         return None
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def group_of(key: str) -> FlatGroup:
@@ -349,8 +357,7 @@ class FlatGroup:
             self.wait(pending.work, "all-gather (prefetched)")
             pending = None
         if pending is None:
-            backward = torch._C._current_graph_task_id() != -1
-            pending = self.pending = self.start(shard, dtype, self.state.together(self, backward))
+            pending = self.pending = self.start(shard, dtype, self.state.together(self, _in_backward()))
             self.state.started(self)
         return pending
 
@@ -375,7 +382,7 @@ class FlatGroup:
         return to_param_major(pending.out, self.slices, self.world)
 
     def _prefetch_next(self) -> None:
-        backward = torch._C._current_graph_task_id() != -1
+        backward = _in_backward()
         state = self.state
         nxt = state.after(self, backward)
         if nxt is not None and nxt.pending is None:

@@ -125,8 +125,7 @@ class Unit:
             for g in self.groups:
                 gathered.append(Gathered(g, torch.ops.tracedac.all_gather(g.leaf, g.key, g.dtype_now())))
         except BaseException:  # (a ZeroError from an order check): nothing gathered here outlives it
-            for e in gathered:
-                torch.ops.tracedac.release(e.full.detach(), e.flat.key)
+            _release(gathered)
             raise
         views = [split_views(g.full, g.flat.slices, g.flat.world) for g in gathered]
         for s in self.slots:
@@ -176,10 +175,14 @@ class Unit:
             hooks.__exit__(None, None, None)
         for s in self.slots:  # the attribute reads the DTensor parameter again
             s.module.__dict__.pop(s.attr, None)
-        for g in gathered:
-            # detached: release has no gradient, and through the custom op's autograd wrapper
-            # (torch 2.13's Generated.apply) each call left ~300 bytes behind for good
-            torch.ops.tracedac.release(g.full.detach(), g.flat.key)
+        _release(gathered)
+
+
+def _release(gathered: list[Gathered]) -> None:
+    for g in gathered:
+        # detached: release has no gradient, and through the custom op's autograd wrapper
+        # (torch 2.13's Generated.apply) each call left ~300 bytes behind for good
+        torch.ops.tracedac.release(g.full.detach(), g.flat.key)
 
 
 class _UnitForward:
