@@ -437,14 +437,14 @@ def test_custom_autograd_functions_and_library_ops_replay():
     assert torch.equal(g, torch.autograd.grad(f(x), (x,))[0])
 
 
-def test_a_second_order_gradient_through_a_region_is_refused():
-    x = torch.randn(4, requires_grad=True)
-    y = checkpoint(lambda x: x.exp().sum())(x)  # exp saves its result: rebuilt without history
-    with pytest.raises(CheckpointError, match="create_graph=True"):
-        torch.autograd.grad(y, x, create_graph=True)
-    y = checkpoint(lambda x: x.sin().sum())(x)  # sin saves its input: kept as is, so it works
-    (g,) = torch.autograd.grad(y, x, create_graph=True)
-    assert torch.equal(torch.autograd.grad(g.sum(), x)[0], -x.sin())
+def test_a_second_order_gradient_through_a_region_keeps_eagers_history():
+    """A rebuilt tensor gets the history autograd noted when it was saved (as torch's own
+    checkpoint's recomputed tensors do): a gradient of a gradient reaches the forward graph."""
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    for f in (lambda x: x.exp().sum(), lambda x: x.sin().sum()):  # saves its result / its input
+        (g,) = torch.autograd.grad(checkpoint(f)(x), x, create_graph=True)
+        (expected,) = torch.autograd.grad(f(x), x, create_graph=True)
+        assert torch.equal(torch.autograd.grad(g.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])
 
 
 def test_name_returns_its_tensor_and_checks_its_arguments():

@@ -136,3 +136,30 @@ def test_policies_and_planners_import_no_cycle():
     tree = ast.parse(pathlib.Path(planners.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "policies" not in imported and "decisions" in imported
+
+
+def test_a_policy_made_every_step_is_not_kept_once_nothing_uses_it():
+    """A training loop that writes ``policy=memory_budget(b)`` or a fresh function inside the
+    step makes a policy a step; tracedac finds policies by id (compiled regions name them
+    so) and must not keep each one for the process: a million steps would keep a million."""
+    import gc
+    import weakref
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    made = []
+    for step in range(4):
+        def fresh(node, step=step):  # a new function object every step
+            return policies.PREFER_RECOMPUTE
+
+        for policy in (policies.memory_budget(0.25 + step / 100), fresh, policies.save_names(f"h{step}")):
+            made.append(weakref.ref(policy))
+            tracedac.checkpoint_call(lambda a: (a @ w).relu().sum(), x, policy=policy).backward()
+        del policy, fresh
+    gc.collect()
+    kept = [r() for r in made if r() is not None]
+    # only as part of a cached plan's key: the plan cache is bounded (least recently used out)
+    from tracedac.planners import plans
+
+    in_plans = [p for p in kept if any(p is k[0] for k in plans.entries)]
+    assert len(kept) == len(in_plans) <= 4 and len(plans.entries) <= plans.size, kept

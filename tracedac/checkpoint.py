@@ -203,6 +203,7 @@ class Region:
             if exc_type is None:
                 self._finish()
         finally:
+            self.graph.recording = False  # (a region that raised: nothing is live any more)
             self.tracer.close()
             self.tracer = self._hooks = None
         return False
@@ -219,6 +220,9 @@ class Region:
             self.planning.finish(self)  # decide what was left undecided, let go of the rest
         module = weakref.ref(self.module) if self.module is not None else None
         graph.namer = functools.partial(_describe, module, self.arg_refs)
+        # From here a version counter that moves means a change the recorder did not see.
+        graph.recording = False
+        graph.plan = None  # a plan made while recording (autograd.grad in the region) may use what goes now
         for g in graph.groups:
             live = g.held if g.held is not None else g.external
             if live is not None:

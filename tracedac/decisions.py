@@ -19,6 +19,8 @@ Nothing here imports the rest of tracedac.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
@@ -110,10 +112,31 @@ def cast_dtype(op, args, kwargs) -> torch.dtype | None:
 
 # --- policies by id ------------------------------------------------------------------------
 
-# Every policy object made or checked, by id: a compiled region names its policy by id (dynamo
-# hands the function that makes a region's key no policy object: ``compile/registry.key_for``).
-# Held for the process: a policy is a few fields, and an id must never be reused.
-HELD: dict[int, object] = {}
+# Every live policy object made or checked, by id: a compiled region names its policy by id
+# (dynamo hands the function that makes a region's key no policy object:
+# ``compile/registry.key_for``), and only while tracing a region that holds it. Weak, so a
+# policy made each step (``memory_budget(0.3)`` inside the loop) is not kept for the process;
+# an id whose policy died may name a new one, which registers itself anew.
+HELD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_HELD_STRONG: dict[int, object] = {}  # the rare policy that takes no weak reference (__slots__)
+
+
+def hold(policy) -> None:
+    """Make ``policy`` findable by ``id`` while it lives (``HELD``). Not while dynamo traces
+    (it cannot trace a weak reference's creation): a policy passed into compiled code was
+    registered when it was made or first checked outside it."""
+    if torch.compiler.is_compiling():
+        return
+    try:
+        HELD[id(policy)] = policy
+    except TypeError:
+        _HELD_STRONG[id(policy)] = policy
+
+
+def held(key: int):
+    """The live policy whose id is ``key``, or None."""
+    policy = HELD.get(key)
+    return _HELD_STRONG.get(key) if policy is None else policy
 
 
 class Held:
@@ -121,8 +144,8 @@ class Held:
     (``copy.deepcopy`` of a checkpointed model) or unpickled."""
 
     def __post_init__(self) -> None:
-        HELD[id(self)] = self
+        hold(self)
 
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)  # (a frozen dataclass's fields: no __setattr__)
-        HELD[id(self)] = self
+        hold(self)

@@ -219,7 +219,8 @@ class Group:
         self.outer = None  # for a region nested in another: the enclosing region's handle on it
         self.held: torch.Tensor | None = None  # a tensor on this storage kept by the policy
         # the version counter of ``held`` or ``external`` (one counter: a held alias of an
-        # outside tensor shares it) when the region ended
+        # outside tensor shares it) when the region ended; not read while it records
+        # (``RegionGraph.recording``)
         self.version = -1
         self.grows = False  # a write grew the storage in place (replay forgets its views after writes)
 
@@ -254,6 +255,11 @@ class RegionGraph:
         self.namer = _shape_name  # outside tensor -> a name for error messages
         self.times: dict[int, int] = {}  # node index -> ns the op took, if the region timed ops
         self.plan = None  # the last replay plan, reused while it still answers what is wanted
+        # True until the region ends. Meanwhile every write to a storage it saw is recorded
+        # as it runs, so a held or outside tensor is in its group's latest recorded state,
+        # whatever its version counter says; afterwards only the counter can tell whether
+        # something changed it (``Group.version``, read when the region ended).
+        self.recording = True
 
     def add_slot(self, slot) -> None:
         self._slots.append(weakref.ref(slot))

@@ -23,7 +23,7 @@ from .decisions import (  # noqa: F401 (re-exported: callers found them here fir
     MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, RECOMPUTE_OPS, decision, is_save,
     recompute_by_default,
 )
-from .decisions import HELD, Held
+from .decisions import Held, hold
 from .errors import CheckpointError
 from .planners import MemoryBudget, MinCut, Planner
 
@@ -236,7 +236,7 @@ def check_policy(policy) -> None:
             f"torch.utils.checkpoint.CheckpointPolicy (e.g. tracedac.policies.save_matmuls()), "
             f"got {policy!r} of type {type(policy).__name__}"
         )
-    HELD[id(policy)] = policy
+    hold(policy)
 
 
 def describe_policy(policy) -> str:

@@ -17,6 +17,8 @@ for one that was not kept, a *pass* rebuilds every handle of the graph still wai
    a storage is dropped as soon as no later planned node reads it.
 
 Replay never runs Python from the region and never writes a tensor the program can see.
+A handle unpacked while its region still records (``torch.autograd.grad`` inside the
+region) is rebuilt alone, by a pass no region records (``trace.unrecorded``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from . import replay_compiled as compiled
 from .errors import CheckpointError
 from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes, walk
+from .trace import unrecorded
 
 __all__ = ["Slot", "fill_fresh_with_nan", "plan", "run_pass"]
 
@@ -67,14 +70,6 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(torch.iinfo(t.dtype).max)
 
 
-def _double_backward_error():
-    return CheckpointError(
-        "backward with create_graph=True (a gradient of a gradient) reached a tensor saved in "
-        "a tracedac region; tracedac rebuilds saved tensors without autograd history, so "
-        "the second-order gradient would be wrong. Run that part without tracedac.checkpoint."
-    )
-
-
 class Slot:
     """A handle on one saved tensor: its group, the state it was saved in, its geometry.
 
@@ -82,6 +77,14 @@ class Slot:
     (``exact``), or a result the policy kept (detached, to break the reference cycle
     through its grad_fn). It is returned while its version is unchanged; otherwise, and
     when nothing was kept, the value is rebuilt from the graph.
+
+    ``unpack`` supplies a value only, in any grad mode: autograd's history never comes from
+    what an unpack hook returns. ``SavedVariable::unpack`` wraps that data with the history
+    it noted when the tensor was saved (the grad_fn and output number, for a leaf its grad
+    accumulator), just as torch's own checkpoint hands back detached recomputed tensors. So
+    a saved tensor read with grad mode on (``grad_fn._saved_result``, ``ctx.saved_tensors``
+    under ``enable_grad`` in a custom backward, a ``create_graph=True`` backward) gets the
+    same history as in eager, and gradients through it reach the region's forward graph.
     """
 
     __slots__ = ("graph", "meta", "tensor", "version", "exact", "value", "__weakref__")
@@ -114,11 +117,7 @@ class Slot:
     def unpack(self) -> torch.Tensor:
         t = self.tensor
         if t is not None and t._version == self.version:
-            if not self.exact and torch.is_grad_enabled():
-                raise _double_backward_error()
             return t
-        if torch.is_grad_enabled():
-            raise _double_backward_error()
         graph = self.graph
         with graph.lock:
             if self.value is None:
@@ -130,11 +129,14 @@ class Slot:
 # --- planning ----------------------------------------------------------------------------
 
 
-def _live(g: Group):
-    """The source of a group's final state that is still valid, or None."""
-    if g.held is not None and g.held._version == g.version:
+def _live(graph: RegionGraph, g: Group):
+    """The source of a group's final state that is still valid, or None. While the region
+    records, a held or outside tensor is in its group's latest state (``RegionGraph.recording``);
+    once it has ended, only if its version counter is where it was then."""
+    recording = graph.recording
+    if g.held is not None and (recording or g.held._version == g.version):
         return "held"
-    if g.external is not None and g.external._version == g.version:
+    if g.external is not None and (recording or g.external._version == g.version):
         return "external"
     if g.outer is not None:
         return "outer"
@@ -209,7 +211,7 @@ class Plan:
     def still_valid(self, graph: RegionGraph, wanted: frozenset) -> bool:
         """Whether this plan still answers ``wanted``: same requests, live sources unchanged."""
         return wanted == self.wanted and all(
-            kind not in ("held", "external") or _live(graph.groups[gid]) == kind
+            kind not in ("held", "external") or _live(graph, graph.groups[gid]) == kind
             for gid, (kind, _) in self.starts.items()
         )
 
@@ -225,8 +227,8 @@ def plan(graph: RegionGraph, wanted) -> Plan:
 
     def start_of(g: Group, lowest: int) -> tuple:
         nonlocal stale
-        kind = _live(g) if lowest == len(g.mutations) else None
-        if kind is None and g.held is not None and g.held._version != g.version:
+        kind = _live(graph, g) if lowest == len(g.mutations) else None
+        if kind is None and g.held is not None and not graph.recording and g.held._version != g.version:
             stale = stale or g  # kept, then modified by the program: must be rebuilt
         if kind is not None:
             return (kind, lowest)
@@ -359,8 +361,19 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
 
 
 def _run_pass(graph: RegionGraph, caller: Slot) -> None:
-    slots = [s for s in graph.slots() if s.wanted and s is not caller]
-    slots.append(caller)
+    with unrecorded():  # replay inside a region that records: its ops are not the program's
+        _replay(graph, caller)
+
+
+def _replay(graph: RegionGraph, caller: Slot) -> None:
+    if graph.recording:
+        # Unpacked while the region still records (torch.autograd.grad inside it): rebuild
+        # this handle only. The others wait for backward; rebuilt now, their values would
+        # be held until then, which is what the region was not to keep.
+        slots = [caller]
+    else:
+        slots = [s for s in graph.slots() if s.wanted and s is not caller]
+        slots.append(caller)
     wanted = frozenset([(s.meta.group, s.meta.state) for s in slots])
     p = graph.plan
     if p is None or not p.still_valid(graph, wanted):

@@ -8,6 +8,7 @@ popped when it ends, so code outside regions runs with no mode and no cost.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -21,7 +22,7 @@ from .errors import CheckpointError
 from .graph import Group, Layout, Node, RegionGraph, TensorMeta, flatten_outputs
 from .writes import hidden_writes, writes_now
 
-__all__ = ["TracerMode", "current_module_path"]
+__all__ = ["TracerMode", "current_module_path", "unrecorded"]
 
 _Tensor = torch.Tensor
 # The StorageImpl's address, without making (and so having torch keep) a Python storage object.
@@ -151,6 +152,25 @@ def track_modules(on: bool) -> None:
             for h in _hook_handles:
                 h.remove()
             _hook_handles = ()
+
+
+@contextlib.contextmanager
+def unrecorded():
+    """Ops this thread runs in the block reach no region's recorder: replay's own ops.
+
+    Replay can run while a region records: ``torch.autograd.grad`` inside a checkpointed
+    function unpacks what the region (or one finished inside it) saved, and the engine runs
+    that backward under the region's dispatch mode. Replay is not the program's computation:
+    recorded, its ops would enter the graph as a second copy of what they rebuild (and its
+    ``set_`` onto fresh storages would be refused as a storage swap). The value it hands
+    autograd reaches the region as an outside tensor. Per thread, as the mode stack is: a
+    CUDA backward runs on the engine's device thread, under a copy of the caller's modes."""
+    before = _local.__dict__.get("unrecorded", False)
+    _local.unrecorded = True
+    try:
+        yield
+    finally:
+        _local.unrecorded = before
 
 
 def current_module_path(names: dict) -> str | None:
@@ -446,6 +466,8 @@ class TracerMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or _NO_KWARGS
+        if _local.__dict__.get("unrecorded"):  # replay running inside a region (``unrecorded``)
+            return func._op(*args, **kwargs)
         info = _INFO.get(id(func))
         info = info[1] if info is not None else op_info(func)
         storages = self.storages

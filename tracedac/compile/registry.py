@@ -35,10 +35,10 @@ def key_for(policy, name: str) -> str:
     torch 2.11 refuses any frozen dataclass (a policy), and 2.13 one made inside the compiled
     code (``save_matmuls()`` made there lost its field)."""
     if isinstance(policy, int):
-        from ..decisions import HELD
+        from ..decisions import held
 
-        held = HELD.get(policy)
-        if held is None:
+        live = held(policy)
+        if live is None:
             from ..errors import CheckpointError
 
             raise CheckpointError(
@@ -47,7 +47,7 @@ def key_for(policy, name: str) -> str:
                 "policies.save_matmuls() once, then pass policy=policy), or checkpoint the function "
                 "or module outside the compiled code."
             )
-        policy = held
+        policy = live
     base = f"{name}|{describe(policy)}"
     key, n = base, 1
     while key in SPECS and SPECS[key][0] is not policy and SPECS[key][0] != policy:
