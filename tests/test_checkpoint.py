@@ -1,5 +1,6 @@
 """The public ways to checkpoint, and the semantics a user relies on."""
 
+import contextlib
 import copy
 import functools
 
@@ -145,13 +146,15 @@ def test_checkpoint_call_has_torchs_calling_convention():
     assert torch.equal(got, expected) and calls == [1, 1]  # one eager call, one checkpointed
 
 
-def test_checkpoint_call_refuses_reentrant_and_context_fn():
+def test_checkpoint_call_refuses_reentrant_and_a_context_fn_not_made_by_torchs_selective_checkpointing():
+    """torch's ``create_selective_checkpoint_contexts`` becomes a policy (test_selective.py);
+    any other pair of contexts would run code around a recomputation tracedac never does."""
     x = torch.randn(2, requires_grad=True)
     with pytest.raises(CheckpointError, match="use_reentrant=False"):
         checkpoint_call(torch.sin, x, use_reentrant=True)
-    sac = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    foreign = lambda: (contextlib.nullcontext(), contextlib.nullcontext())  # noqa: E731
     with pytest.raises(CheckpointError, match="policy=tracedac.policies.save_ops"):
-        checkpoint_call(torch.sin, x, use_reentrant=False, context_fn=sac)
+        checkpoint_call(torch.sin, x, use_reentrant=False, context_fn=foreign)
 
 
 def test_wrap_checkpoints_matching_modules_and_not_their_children():
@@ -480,7 +483,7 @@ def test_a_new_partial_of_the_same_layer_each_call_finds_the_plan_made_for_its_c
     function's code, the module's class, the inputs), not by the partial object, so two
     layers of one class plan once and the cache does not grow (it held every partial, and
     every tensor in it, before)."""
-    from tracedac.planners import plans
+    from tracedac.plan_cache import plans
 
     torch.manual_seed(0)
     layers = [Block(), Block()]
@@ -503,7 +506,7 @@ def test_layers_of_one_class_differing_in_frozen_weights_keep_a_plan_each():
     """What a plan keeps depends on what autograd saves, and a frozen weight changes that
     without changing the ops: the key tells the two layers apart, so neither replaces the
     other's plan on every call."""
-    from tracedac.planners import plans
+    from tracedac.plan_cache import plans
 
     torch.manual_seed(0)
     frozen, trained = Block(), Block()
@@ -523,9 +526,9 @@ def test_a_cached_plan_is_not_applied_where_autograd_saved_something_else():
     ``exp``'s result (within 0.6 of ``h`` and it), which is over 0.6 of what the frozen call
     saves: the region checks what autograd saved against what the plan was made for, and
     plans again (measured at the allocator)."""
-    from tracedac.bench.probe import allocated_bytes
-    from tracedac.checkpoint import current_region
-    from tracedac.planners import plans
+    from benchmarks.probe import allocated_bytes
+    from tracedac.region import current_region
+    from tracedac.plan_cache import plans
 
     regions = []
     w = torch.randn(256, 256) / 16
@@ -551,7 +554,7 @@ def test_a_cached_plan_is_not_applied_where_autograd_saved_something_else():
 
 
 def test_checkpoint_call_names_the_region_for_the_module_it_runs():
-    from tracedac.checkpoint import register_name, reporting, unregister_name
+    from tracedac.region import register_name, reporting, unregister_name
 
     layer, x = Block(), torch.randn(2, 8, 32, requires_grad=True)
     with reporting() as regions:
@@ -565,7 +568,7 @@ def test_checkpoint_call_names_the_region_for_the_module_it_runs():
 
 
 def test_unwrap_removes_every_hook_and_leaves_state_dict_keys_and_a_plain_forward():
-    from tracedac.checkpoint import reporting
+    from tracedac.region import reporting
 
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Block())
@@ -586,3 +589,29 @@ def test_unwrap_removes_every_hook_and_leaves_state_dict_keys_and_a_plain_forwar
         return x.sin()
 
     assert tracedac.unwrap(checkpoint(f)) is f
+
+
+def test_checkpointing_a_class_is_a_type_error_that_names_the_instance_and_wrap_ways():
+    """``tracedac.checkpoint(Block)`` used to return a checkpointed *constructor* and
+    checkpoint nothing that ran: the user saw no error and 'kept 0 B' in every report."""
+    with pytest.raises(TypeError, match=r"class Linear.*tracedac.wrap\(model, Linear\)"):
+        checkpoint(torch.nn.Linear)
+    with pytest.raises(TypeError, match="class Linear"):
+        checkpoint(policy=policies.save_all())(torch.nn.Linear)
+
+
+def test_is_checkpointed_says_whether_a_module_or_function_runs_regions():
+    """The public check a user runs after setting tracedac up, and after ``unwrap``."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert not tracedac.is_checkpointed(model)
+    tracedac.wrap(model, lambda name, m: name == "1")
+    assert tracedac.is_checkpointed(model) and tracedac.is_checkpointed(model[1])
+    assert not tracedac.is_checkpointed(model[0])
+    tracedac.unwrap(model)
+    assert not tracedac.is_checkpointed(model)
+
+    def f(x):
+        return x.sin()
+
+    assert tracedac.is_checkpointed(checkpoint(f)) and not tracedac.is_checkpointed(f)
+    assert not tracedac.is_checkpointed(tracedac.unwrap(checkpoint(f)))

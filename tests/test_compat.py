@@ -1,6 +1,6 @@
 """What differs between the torch releases tracedac supports (tracedac/_compat.py): each
 difference met on torch 2.11 (the suite run there by hand, docs/design.md "Supported torch"),
-checked here on the torch CI runs."""
+checked here on the torch CI runs (tracedac.zero's own, ``compiles_zero``: tests/zero/test_shard.py)."""
 
 from types import SimpleNamespace
 
@@ -10,7 +10,6 @@ from torch.utils.flop_counter import sdpa_flop_count
 
 from tracedac import _compat
 from tracedac.graph import op_flops
-from tracedac.zero import ZeroError
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (4, 1)])
@@ -27,15 +26,6 @@ def test_cpu_attention_flops_match_torchs_formula_grouped_query_attention_includ
 
 def test_a_symbolic_size_hint_is_read_on_this_torch():
     assert _compat.optimization_hint(7) == 7
-
-
-def test_sharded_units_refuse_to_compile_before_torch_2_13_with_what_to_do(monkeypatch):
-    monkeypatch.setattr(_compat, "_VERSION", (2, 13))
-    assert _compat.compiles_zero(True) is True
-    monkeypatch.setattr(_compat, "_VERSION", (2, 11))
-    assert _compat.compiles_zero(False) is True  # make_fx and fake tensors trace it there
-    with pytest.raises(ZeroError, match="needs torch 2.13 or newer.*run the sharded model eagerly"):
-        _compat.compiles_zero(True)
 
 
 def test_is_exporting_is_false_under_torch_compile_and_true_under_export():

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 import tracedac
 from tracedac import policies
-from tracedac.checkpoint import reporting
+from tracedac.region import reporting
 from tracedac.replay import fill_fresh_with_nan
 
 POLICIES = [

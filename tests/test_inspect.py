@@ -131,6 +131,20 @@ def test_nested_regions_and_copies_of_written_inputs_are_reported():
 def test_print_saved_prints_a_table_and_totals(capsys):
     report = print_saved(MLP(), torch.randn(2, 8, 256, requires_grad=True), policy=policies.save_matmuls())
     text = capsys.readouterr().out
-    assert text.splitlines()[0].split() == ["kind", "op", "shape", "dtype", "bytes", "source", "module", "label", "why"]
+    assert text.splitlines()[0].split() == ["region", "kind", "op", "shape", "dtype", "bytes", "source", "module",
+                                            "label", "why"]
     assert "aten.addmm.default  2x8x1024  float32  64.00 KiB" in text
     assert f"kept {human_bytes(report.kept_bytes)}" in text and "replayed in backward" in text
+
+
+def test_a_wrapped_models_report_names_each_region_and_parameters_by_their_full_names(capsys):
+    """Blocks of one class keep the same rows: the region column tells them apart, and a
+    parameter is named as ``model.named_parameters()`` names it (what a person searches for)."""
+    model = nn.Sequential(MLP(), MLP())
+    tracedac.wrap(model, MLP)
+    report = print_saved(model, torch.randn(2, 8, 256, requires_grad=True))
+    lines = capsys.readouterr().out.splitlines()
+    assert {r.region for r in report.rows} == {"0", "1"}
+    assert {line.split()[0] for line in lines[2:] if line and not line.startswith("kept")} == {"0", "1"}
+    names = {r.why.split(" of shape")[0] for r in report.rows if r.kind == "input"}
+    assert {"parameter '0.fc.weight'", "parameter '1.fc.weight'"} <= names, names

@@ -10,9 +10,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint as torch_checkpo
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracedac import checkpoint, policies
-from tracedac.checkpoint import reporting
+from tracedac.region import reporting
 
-from tracedac.bench.probe import allocated_bytes as allocated
+from benchmarks.probe import allocated_bytes as allocated
 
 MiB = 1 << 20
 N = (256, 1024)  # one activation: 1 MiB of fp32

@@ -1,5 +1,6 @@
 """The notebooks run top to bottom in a fresh kernel and show what they promise."""
 
+import os
 import pathlib
 
 import pytest
@@ -14,7 +15,10 @@ NOTEBOOKS = pathlib.Path(__file__).parent.parent / "notebooks"
 def execute(name: str, tmp_path) -> str:
     """Run a notebook in a fresh kernel; return everything its cells printed."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    # The kernel runs in tmp_path: the clone's root goes on its path for benchmarks/ (not installed).
+    root = str(NOTEBOOKS.parent.resolve())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
     outputs = [o for cell in nb.cells for o in cell.get("outputs", [])]
     errors = [o for o in outputs if o.get("output_type") == "error"]
     assert not errors, errors

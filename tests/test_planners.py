@@ -13,9 +13,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
 from tracedac import CheckpointError, checkpoint, planners, policies
-from tracedac.checkpoint import current_region
+from tracedac.region import current_region
 from tracedac.inspect import record
-from tracedac.planners import closure, costs, knapsack, min_cut_keep, plans
+from tracedac.plan_cache import plans
+from tracedac.planners import closure, costs, knapsack, min_cut_keep
 from tracedac.tradeoff import _Region
 
 from . import test_properties as programs_
@@ -311,7 +312,7 @@ def test_from_the_second_step_the_forward_holds_only_what_the_plan_keeps():
     """The first recording holds what autograd saves until the plan is made at the region's
     end; from then on each node is decided as it is recorded, so what the plan drops is
     freed during the forward. Measured at the allocator, at the end of the forward."""
-    from tracedac.bench.probe import allocated_bytes
+    from benchmarks.probe import allocated_bytes
 
     held = []
 
@@ -387,4 +388,4 @@ def test_closure_walks_as_the_replay_plan_does_generator_state_included():
     wanted = {(m.group, m.state + 1) for m in second.tensor_args}  # its mask, after the draw
     run = closure(p.graph, wanted, set())
     assert draws[0] in run and draws[1] in run
-    assert run == tracedac.replay.plan(p.graph, wanted).nodes
+    assert run == tracedac.replay_plan.plan(p.graph, wanted).nodes

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tracedac import CheckpointError, checkpoint, policies
-from tracedac.checkpoint import reporting
+from tracedac.region import reporting
 
 from .util import OpCounter, assert_same_grads
 

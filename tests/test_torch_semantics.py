@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import tracedac
 from tracedac import CheckpointError, checkpoint_call, policies
-from tracedac.checkpoint import reporting
+from tracedac.region import reporting
 
 from .util import OpCounter
 
@@ -391,3 +391,33 @@ def test_a_checkpointed_module_whose_forward_returns_a_gradient_trains_as_in_eag
                 assert torch.equal(a, b), (a - b).abs().max()
     finally:
         tracedac.unwrap(model)
+
+
+class _SizesSubclass(torch.Tensor):
+    """A wrapper subclass whose sizes come from Python (``dispatch_sizes_strides_policy``):
+    reading ``.size()`` dispatches ``aten.sym_size`` from C++, as torch's own selective
+    checkpoint test ``test_subclass_dispatching_sizes`` does."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.size(), dtype=elem.dtype,
+                                                   dispatch_sizes_strides_policy="sizes")
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.sym_size.default:
+            return args[0].elem.size()
+        unwrap = lambda t: t.elem if isinstance(t, _SizesSubclass) else t  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+def test_a_subclass_whose_sizes_come_from_python_is_refused_by_name_not_by_aborting():
+    """``sym_size`` returns ``SymInt[]``, not tensors: it is metadata the recorder runs bare.
+    Counted as a tensor-returning op it reached the subclass check from C++, where the
+    refusal aborted the process."""
+    x = _SizesSubclass(torch.randn(3, 4))
+    with pytest.raises(CheckpointError, match="tensor subclass"):
+        tracedac.checkpoint_call(lambda t: t.size(0) * t.sin(), x)

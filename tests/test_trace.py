@@ -7,7 +7,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
 from tracedac import checkpoint, policies
-from tracedac.checkpoint import reporting
+from tracedac.region import reporting
 
 aten = torch.ops.aten
 

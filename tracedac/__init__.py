@@ -5,7 +5,7 @@ See README.md for a tour. Everything public is re-exported here; nothing runs at
 
 from . import policies
 from .replay_compiled import compiled_replay
-from .checkpoint import checkpoint, checkpoint_call, name, unwrap, wrap
+from .checkpoint import checkpoint, checkpoint_call, is_checkpointed, name, unwrap, wrap
 from .errors import CheckpointError
 from .inspect import print_saved, saved_report
 from .tradeoff import trade_off
@@ -15,6 +15,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_call",
     "compiled_replay",
+    "is_checkpointed",
     "name",
     "policies",
     "print_saved",

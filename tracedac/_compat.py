@@ -12,8 +12,9 @@ import functools
 import torch
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 
-__all__ = ["class_forward", "compiles_zero", "is_exporting", "optimization_hint"]
+__all__ = ["class_forward", "graph_input_sources", "is_exporting", "op_effect", "optimization_hint", "trace_time_error"]
 
+# (torch major, minor): zero/unit.py's compiles_zero reads it
 _VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 # A SymInt's concrete hint (or ``fallback`` when it has none): ``optimization_hint`` in torch
@@ -34,21 +35,44 @@ def class_forward(module):
     return functools.partial(type(module).forward, module)
 
 
-def compiles_zero(dynamo: bool) -> bool:
-    """Raise, at trace time, where dynamo (``dynamo``: whether it is the tracer) cannot compile
-    ``tracedac.zero``: torch before 2.13, whose dynamo cannot trace the removal of a gathered
-    view from the module's ``__dict__`` (``__dict__.pop``, ``del``, ``object.__delattr__``:
-    "Unsupported method call" on 2.11). ``make_fx`` and fake tensors trace it there."""
-    if dynamo and _VERSION < (2, 13):
-        from .zero.errors import ZeroError
+@functools.cache
+def _trace_time_error_class():
+    from torch._dynamo.exc import Unsupported  # loaded only once dynamo traces
 
-        raise ZeroError(
-            f"tracedac.zero under torch.compile needs torch 2.13 or newer (this is {torch.__version__}): "
-            "dynamo before it cannot trace how a sharded unit puts its parameters back after "
-            "forward. Upgrade torch, or run the sharded model eagerly (tracedac's checkpoint regions "
-            "compile on this torch)."
-        )
-    return True
+    from .errors import CheckpointError
+
+    class TraceTimeCheckpointError(CheckpointError, Unsupported):
+        """A CheckpointError raised while dynamo calls a marked-constant function: dynamo
+        wraps any other exception there as an internal error ("report a PyTorch bug"); an
+        ``Unsupported`` it passes on as it is (fullgraph), or graph-breaks and runs the
+        code eagerly, where tracedac records it."""
+
+    return TraceTimeCheckpointError
 
 
-compiles_zero._dynamo_marked_constant = True  # run at trace time, its result a constant
+def trace_time_error(message: str) -> Exception:
+    """A ``CheckpointError`` to raise from a function dynamo calls at trace time
+    (``_dynamo_marked_constant``) that reaches the user as one."""
+    return _trace_time_error_class()(message)
+
+
+def graph_input_sources(gm) -> list[str | None]:
+    """Dynamo's source of each input of the graph it hands a backend (``L['self']._modules
+    ['blocks']...``), or None: a property in torch 2.13, a method before."""
+    out = []
+    for p in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(p.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        out.append(name() if callable(name) else name)
+    return out
+
+
+def op_effect(op):
+    """The effect ``op`` was registered with (``register_effect`` of a ``torch.library`` op,
+    torch's own ``_register_effectful_op``), or None. ``_get_effect`` in torch 2.10 to 2.13."""
+    from torch._higher_order_ops import effects
+
+    get = getattr(effects, "_get_effect", None)
+    if get is not None:
+        return get(op)
+    return getattr(effects, "SIDE_EFFECTS", {}).get(op)

@@ -13,8 +13,9 @@ recorder's nodes (``tracedac.graph.Node``) and the nodes built from a compiled j
 - ``is_random``: it draws from a generator; ``meta``: ``meta["recompute"]`` is its decision
 
 ``resolve(policy, node)`` is the decision a region carries out: the policy's answer,
-checked, with the ops of ``RECOMPUTE_OPS`` forced to replay unless the policy must save them.
-Nothing here imports the rest of tracedac.
+checked, with the ops of ``RECOMPUTE_OPS`` forced to replay unless the policy must save them,
+and ops with an effect (``effect``: collectives) forced to be kept whatever it says.
+Nothing here imports the rest of tracedac but the leaf ``_compat``.
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ._compat import op_effect
 from .errors import CheckpointError
 
 __all__ = [
-    "LOW_DTYPES", "MATMUL_OPS", "MUST_RECOMPUTE", "MUST_SAVE", "PREFER_RECOMPUTE", "PREFER_SAVE", "RECOMPUTE_OPS",
-    "cast_dtype", "decision", "is_save", "recompute_by_default", "resolve",
+    "LOW_DTYPES", "MATMUL_OPS", "MUST_CPU_OFFLOAD", "MUST_RECOMPUTE", "MUST_SAVE", "PREFER_CPU_OFFLOAD",
+    "PREFER_RECOMPUTE", "PREFER_SAVE", "RECOMPUTE_OPS", "cast_dtype", "decision", "is_offload", "is_save",
+    "recompute_by_default", "resolve",
 ]
 
 MUST_SAVE = CheckpointPolicy.MUST_SAVE
 PREFER_SAVE = CheckpointPolicy.PREFER_SAVE
 MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
 PREFER_RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+# Offload: the result goes to host memory in the forward and comes back in backward (offload.py)
+MUST_CPU_OFFLOAD = CheckpointPolicy.MUST_CPU_OFFLOAD
+PREFER_CPU_OFFLOAD = CheckpointPolicy.PREFER_CPU_OFFLOAD
 
 aten = torch.ops.aten
 
@@ -65,6 +71,40 @@ def recompute_by_default(op: OpOverload, reason: str) -> None:
     RECOMPUTE_OPS[id(op)] = (op, reason)
 
 
+# The save side, one way: ops whose results a region keeps whatever the policy says, because
+# running them again would act on the world again. A collective sends its data again, and
+# every other rank would have to replay the same one at the same point of its backward; each
+# rank plans from its own shapes (uneven all-to-all splits), so their plans need not agree.
+# Recognized by the op itself (``effect``), not registered: torch's collectives by namespace
+# (functional, their autograd variants, and c10d's in-place ones), any other op by the effect
+# it was registered with through ``torch.library``. ``RECOMPUTE_OPS`` wins: an op's owner
+# who asked for replay (tracedac.zero's all-gather) gets it.
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d"})
+_EFFECTS: dict[int, tuple] = {}  # id(op) -> (op, why or None), found on first sight
+
+
+def _why_kept(op) -> str | None:
+    if not isinstance(op, OpOverload):
+        return None
+    if op.namespace in COLLECTIVE_NAMESPACES:
+        return ("a collective: replaying it would send its data again, and every rank would have to "
+                "replay the same collective at the same point of its backward")
+    if op_effect(op) is not None:
+        return "registered with an effect (torch.library): replaying it would repeat the effect"
+    return None
+
+
+def effect(op) -> str | None:
+    """Why ``op``'s results are kept, never replayed (its effect, as a sentence), or None.
+    Asked for every recorded node: one dictionary lookup after an op's first sight."""
+    if id(op) in RECOMPUTE_OPS:
+        return None
+    known = _EFFECTS.get(id(op))
+    if known is None:
+        known = _EFFECTS[id(op)] = (op, _why_kept(op))  # the op pins its id
+    return known[1]
+
+
 def decision(policy, node) -> CheckpointPolicy:
     """``policy(node)``, checked: a CheckpointPolicy tracedac can carry out."""
     d = policy(node)
@@ -73,25 +113,38 @@ def decision(policy, node) -> CheckpointPolicy:
             f"policy {policy!r} returned {d!r} for {node.name}; a policy must return a "
             "torch.utils.checkpoint.CheckpointPolicy such as CheckpointPolicy.MUST_SAVE."
         )
-    if d in (CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD):
-        raise CheckpointError(
-            f"policy {policy!r} asked to offload {node.name} to CPU; tracedac keeps or replays "
-            "and does not offload. Return a SAVE or RECOMPUTE decision instead."
-        )
     return d
 
 
 def resolve(policy, node, constant=None) -> CheckpointPolicy:
     """The decision a region carries out for ``node``: ``constant`` (a policy that never looks
-    at nodes) or the policy's checked answer, then ``RECOMPUTE_OPS`` unless MUST_SAVE."""
+    at nodes) or the policy's checked answer, then ``RECOMPUTE_OPS`` unless MUST_SAVE, and
+    MUST_SAVE for an op with an ``effect``; a policy that must replay one is refused."""
     d = constant or decision(policy, node)
-    if d is not MUST_SAVE and id(node.op) in RECOMPUTE_OPS:
-        d = MUST_RECOMPUTE  # a ZeRO-3 gather: only MUST_SAVE keeps it
-    return d
+    op = node.op
+    if id(op) in RECOMPUTE_OPS:
+        return d if d is MUST_SAVE else MUST_RECOMPUTE  # a ZeRO-3 gather: only MUST_SAVE keeps it
+    why = effect(op)
+    if why is None:
+        return d
+    if d is MUST_RECOMPUTE:
+        raise CheckpointError(
+            f"policy {policy!r} returned MUST_RECOMPUTE for {node.name} (node {node.index}), which is {why}. "
+            "tracedac keeps the results of collectives and other effectful ops under every policy, and "
+            "cannot promise that every rank's backward would replay the same ones: each rank plans "
+            "from its own shapes. Return PREFER_RECOMPUTE (the result is kept), or call the op outside "
+            "the region; parameters that should be gathered again in backward are what tracedac.zero "
+            "shards."
+        )
+    return MUST_SAVE
 
 
 def is_save(d: CheckpointPolicy) -> bool:
     return d is MUST_SAVE or d is PREFER_SAVE
+
+
+def is_offload(d: CheckpointPolicy) -> bool:
+    return d is MUST_CPU_OFFLOAD or d is PREFER_CPU_OFFLOAD
 
 
 # The dtypes autocast computes in below fp32: what a ZeRO-3 group may travel in instead.
@@ -102,7 +155,7 @@ def cast_dtype(op, args, kwargs) -> torch.dtype | None:
     """The dtype ``op(*args, **kwargs)`` casts its one input to, if it is a plain cast
     (autocast's ``_to_copy(t, dtype=...)``, or ``prims.convert_element_type`` after
     decomposition); else None. Asked of dispatched ops (``zero/auto.py``'s observer) and of FX
-    nodes (``compile/gather_cast.py``)."""
+    nodes (``compile/passes/gather_cast.py``)."""
     if op is torch.ops.prims.convert_element_type.default:
         return args[1]
     if op is torch.ops.aten._to_copy.default and len(args) == 1 and set(kwargs) <= {"dtype"}:

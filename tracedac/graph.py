@@ -206,7 +206,7 @@ class Group:
     """One storage seen in the region, and everything needed to rebuild any state of it."""
 
     __slots__ = ("id", "nbytes", "device", "creator", "mutations", "external", "snapshot", "outer",
-                 "held", "version", "grows")
+                 "held", "host", "version", "grows")
 
     def __init__(self, id: int, nbytes: int, device: torch.device):
         self.id = id
@@ -218,6 +218,8 @@ class Group:
         self.snapshot = None  # an external's storage copied before the region first wrote it
         self.outer = None  # for a region nested in another: the enclosing region's handle on it
         self.held: torch.Tensor | None = None  # a tensor on this storage kept by the policy
+        # its latest copy in host memory (``offload.HostCopy``), for a result the policy offloads
+        self.host = None
         # the version counter of ``held`` or ``external`` (one counter: a held alias of an
         # outside tensor shares it) when the region ended; not read while it records
         # (``RegionGraph.recording``)
@@ -277,7 +279,7 @@ class RegionGraph:
 
 def walk(graph: RegionGraph, wanted, start_of, visit=None) -> tuple[dict, list, dict]:
     """The nodes replay runs to produce every (group id, state) in ``wanted``: one walk for
-    the replay plan (``replay.plan``) and the planners' hypothetical ones (``planners.closure``),
+    the replay plan (``replay_plan.plan``) and the planners' hypothetical ones (``planners.closure``),
     so the two cannot disagree on what a replay runs.
 
     ``start_of(group, lowest)`` says where a group's replay starts, given the lowest state

@@ -2,88 +2,21 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
-from .checkpoint import Region, reporting, run_region
+from .region import Region, reporting, run_region
 from .compile.report import compiled_target
 from .compile.report import report as compiled_report
 from .errors import CheckpointError
-from .graph import RegionGraph, human_bytes
-from .planners import PREFER_SAVE, planner_of
+from .graph import RegionGraph
+from .decisions import PREFER_SAVE
+from .planners import planner_of
 from .policies import check_policy, describe_policy, recompute_all
-from .replay import plan
+from .replay_plan import plan
+from .report import SavedReport, SavedRow
 
 __all__ = ["SavedReport", "SavedRow", "print_saved", "record", "saved_report"]
-
-
-@dataclass(frozen=True)
-class SavedRow:
-    """One storage a region holds after its forward."""
-
-    region: str
-    kind: str  # "activation", "input" or "snapshot"
-    op: str  # the op that produced the value ("input" for one from outside)
-    shape: tuple
-    dtype: torch.dtype
-    bytes: int  # of the whole storage: that is what stays allocated
-    source: str | None  # the user's file:line that ran the op
-    module: str | None
-    label: str
-    why: str
-
-
-@dataclass
-class SavedReport:
-    """Every tensor kept for backward after one forward, and what replay will cost."""
-
-    rows: list[SavedRow] = field(default_factory=list)
-    replayed_bytes: int = 0  # saved by autograd, not kept: rebuilt in backward
-    replay_flops: int = 0  # by torch's FLOP formulas (matmuls, attention, convolutions)
-    replay_ops: int = 0
-
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes computed in the region and kept (activations and copies of written inputs)."""
-        return sum(r.bytes for r in self.rows if r.kind != "input")
-
-    @property
-    def input_bytes(self) -> int:
-        """Bytes of inputs (arguments, parameters, buffers) the region keeps a reference to."""
-        return sum(r.bytes for r in self.rows if r.kind == "input")
-
-    def __repr__(self) -> str:
-        return (f"SavedReport({len(self.rows)} rows, kept {human_bytes(self.kept_bytes)}, "
-                f"replayed {human_bytes(self.replayed_bytes)} in {self.replay_ops} ops)")
-
-    def __str__(self) -> str:
-        headers = ("kind", "op", "shape", "dtype", "bytes", "source", "module", "label", "why")
-        table = [
-            (r.kind, r.op, "x".join(map(str, r.shape)) or "scalar", str(r.dtype).removeprefix("torch."),
-             human_bytes(r.bytes), _short(r.source), r.module or "", r.label, r.why)
-            for r in self.rows
-        ]
-        widths = [max([len(h)] + [len(row[i]) for row in table]) for i, h in enumerate(headers)]
-        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
-        out = [line(headers), line("-" * w for w in widths)]
-        out += [line(row) for row in table]
-        out.append("")
-        out.append(
-            f"kept {human_bytes(self.kept_bytes)} | inputs referenced {human_bytes(self.input_bytes)} | "
-            f"replayed in backward {human_bytes(self.replayed_bytes)} "
-            f"({self.replay_ops} ops, {self.replay_flops / 1e9:.3f} GFLOP)"
-        )
-        return "\n".join(out)
-
-
-def _short(source: str | None) -> str:
-    if source is None:
-        return ""
-    path, _, line = source.rpartition(":")
-    return f"{os.path.basename(path)}:{line}"
 
 
 def _storage_key(t: torch.Tensor):
@@ -117,7 +50,18 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
             ", ".join(sorted(node.labels)) if node is not None else "", why,
         ))
 
-    replay = [h for h in region.handles if h.tensor is None]
+    def offloaded(copy, meta, node, why):
+        key = ("host", id(copy))
+        if key in seen:
+            return
+        seen.add(key)
+        shape, dtype = (tuple(meta.size), meta.dtype) if meta is not None else ((copy.nbytes,), torch.uint8)
+        rows.append(SavedRow(
+            graph.name, "offloaded", node.name, shape, dtype, copy.nbytes, node.source,
+            node.module_path, ", ".join(sorted(node.labels)), f"{why}; in host memory, brought back in backward",
+        ))
+
+    replay = [h for h in region.handles if h.tensor is None and h.host is None]
     for h in region.handles:
         if h.exact:
             add(h.tensor, "input", None, f"{graph.namer(h.tensor)}: autograd saved it")
@@ -125,7 +69,14 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
             g = graph.groups[h.meta.group]
             node = g.node
             add(h.tensor, "activation", node, _why(policy, planner, node))
+        elif h.host is not None:
+            node = graph.groups[h.meta.group].node
+            offloaded(h.host, h.meta, node, _why(policy, planner, node))
     for g in graph.groups:
+        if g.host is not None:
+            node = g.node
+            meta = next((m for m in (*node.outputs, *node.tensor_args) if m is not None and m.group == g.id), None)
+            offloaded(g.host, meta, node, f"{_why(policy, planner, node)}; replay reads it")
         if g.held is not None:
             node = g.node
             add(g.held, "activation", node, f"{_why(policy, planner, node)}; replay reads it")

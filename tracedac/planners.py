@@ -13,25 +13,24 @@ The *items* are the storages the region computed that autograd saved, in the sta
 them (their final state: a kept storage holds its last value). Keeping one costs its bytes;
 ``memory_budget`` keeps the results of one op together (``bundles_of``).
 Both planners honour the MUST decisions of the policy they are combined with
-(``either(save_names("x"), memory_budget(0.3))``).
+(``either(save_names("x"), memory_budget(0.3))``), and take a result the policy offloads
+(``MUST_CPU_OFFLOAD``, or ``PREFER_CPU_OFFLOAD``: they do not weigh offloading against
+keeping and replaying yet) as neither kept on the device nor replayed: it costs no budget
+and replay may start from it.
 
-A plan is made when a region's graph is first recorded and cached by the graph's structure
-(each node's op, output shapes and dtypes, and which values it read): on later calls the
-region decides each node as it records it (``PlanCache``), so it never holds more than the
-plan keeps. A structure that differs from the cached one (a new shape) is planned again.
+A plan is made once for a region's structure and reused (``plan_cache.py``).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .decisions import MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, Held
+from .decisions import MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, Held, is_offload
 from .errors import CheckpointError
 from .graph import Node, RegionGraph, human_bytes, walk
 
@@ -211,7 +210,9 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
     ``replay_matmuls``) is fed from the source with a capacity larger than all bytes
     together, so it is replayed only where nothing else works. ``decisions`` maps node
     indices to MUST decisions to honour; ``keepable`` (group ids), if given, limits what may be
-    kept (a result already let go cannot be). Of the minimum cuts, the one closest to the sink
+    kept (a result already let go cannot be). An offloaded result (its node's decision in
+    ``decisions`` an offload) is free, as an outside value is: it lives on the host and replay
+    may start from it; it is never in the cut. Of the minimum cuts, the one closest to the sink
     is taken: the fewest values replayed.
     """
     import networkx as nx
@@ -250,7 +251,10 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
             for m in node.tensor_args:
                 G.add_edge(("out", m.group, m.state), a)
             final = s == len(groups[gid].mutations)
-            if d is MUST_SAVE and final:
+            if d is not None and is_offload(d) and final:
+                G.add_edge(src, a)  # on the host: free, as an outside value
+                G[a][("out", gid, s)]["capacity"] = 0
+            elif d is MUST_SAVE and final:
                 G.add_edge(src, a)
                 G.add_edge(("out", gid, s), sink)
             elif d is MUST_RECOMPUTE:
@@ -274,7 +278,9 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
     for g in groups:
         s = len(g.mutations)
         if g.creator is not None and ("in", g.id, s) not in sink_side and ("out", g.id, s) in sink_side:
-            keep.append(g.id)
+            d = decisions.get(g.node.index)
+            if d is None or not is_offload(d):
+                keep.append(g.id)
     return keep, value, G
 
 
@@ -300,7 +306,9 @@ class Problem:
     ``full`` the bytes kept without checkpointing; ``live`` the storages that can still be
     kept (None: all); ``reserved`` bytes of the budget that go to values kept whatever the
     plan (under compile: a region's result that the next region reads), ``kept_anyway``
-    their groups. Under compile ``items`` also holds what the untagged partition saves."""
+    their groups. Under compile ``items`` also holds what the untagged partition saves.
+    ``offloaded`` are the items the policy offloads: not a choice, no device bytes, but
+    available to replay from (priced as kept)."""
 
     graph: RegionGraph
     wanted: set
@@ -311,6 +319,7 @@ class Problem:
     live: set | None = None
     reserved: int = 0
     kept_anyway: frozenset = frozenset()
+    offloaded: frozenset = frozenset()
 
 
 def problem(graph: RegionGraph, wanted, live=None, held=()) -> Problem:
@@ -322,13 +331,16 @@ def problem(graph: RegionGraph, wanted, live=None, held=()) -> Problem:
     full = sum(groups[gid].nbytes for gid in {gid for gid, _ in wanted})
     forced_in = [g for g in items if groups[g].node.decision is MUST_SAVE]
     forced_in += [g for g in held if g not in items and groups[g].node.decision is MUST_SAVE]
-    forced_out = {g for g in items if (live is not None and g not in live)
-                  or groups[g].node.decision is MUST_RECOMPUTE}
-    return Problem(graph, set(wanted), items, full, forced_in, forced_out, live)
+    offloaded = frozenset(g for g in items if is_offload(groups[g].node.decision))
+    forced_out = {g for g in items if g not in offloaded and ((live is not None and g not in live)
+                  or groups[g].node.decision is MUST_RECOMPUTE)}
+    return Problem(graph, set(wanted), items, full, forced_in, forced_out, live, offloaded=offloaded)
 
 
 def must_decisions(graph: RegionGraph) -> dict:
-    return {n.index: n.decision for n in graph.nodes if n.decision in (MUST_SAVE, MUST_RECOMPUTE)}
+    """The decisions a planner does not make: MUST ones, and offloads (MUST or PREFER)."""
+    return {n.index: n.decision for n in graph.nodes
+            if n.decision in (MUST_SAVE, MUST_RECOMPUTE) or (n.decision is not None and is_offload(n.decision))}
 
 
 # --- planner objects ----------------------------------------------------------------------
@@ -377,8 +389,9 @@ class MemoryBudget(Planner):
         groups = graph.groups
         forced = set(forced_in)
         forced_bytes = sum(groups[g].nbytes for g in forced)
+        fixed = forced_out | p.offloaded  # replayed, or on the host: not the knapsack's
         free = [b for b in bundles_of(graph, items)
-                if not any(g in forced_out for g in b) and not all(g in forced for g in b)]
+                if not any(g in fixed for g in b) and not all(g in forced for g in b)]
         weights = [sum(groups[g].nbytes for g in b if g not in forced) for b in free]
         values = costs(graph, free, self.cost, items)
 
@@ -422,139 +435,3 @@ def planner_of(policy):
     if isinstance(policy, Planner):
         return policy
     return getattr(policy, "planner", None)
-
-
-# --- the plan cache -----------------------------------------------------------------------
-
-
-def signature(node: Node) -> tuple:
-    """What a cached plan must agree on for this node: op, outputs and the values it read."""
-    return (node.op, tuple(None if o is None else (o.size, o.dtype) for o in node.outputs),
-            tuple((m.group, m.state) for m in node.tensor_args), node.writes)
-
-
-class PlanCache:
-    """Plans by (policy, code, inputs), each checked node by node against the structure
-    recorded; least recently used first out."""
-
-    def __init__(self, size: int = 256):
-        self.size = size
-        self.entries: OrderedDict = OrderedDict()
-        self.made = 0  # plans computed (not found), for tests and reports
-
-    def get(self, key):
-        entry = self.entries.get(key)
-        if entry is not None:
-            self.entries.move_to_end(key)
-        return entry
-
-    def put(self, key, signatures: tuple, keep: frozenset, context: tuple) -> None:
-        self.entries[key] = (signatures, keep, context)
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
-
-
-plans = PlanCache()
-
-
-def input_signature(args, kwargs) -> tuple:
-    def one(a):
-        if isinstance(a, torch.Tensor):
-            return (a.shape, a.dtype, a.device, a.requires_grad)
-        if isinstance(a, (list, tuple)):
-            return tuple(one(x) for x in a)
-        return type(a)
-
-    return (tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted((kwargs or {}).items())),
-            torch.is_autocast_enabled())
-
-
-class Planning:
-    """A region's side of planning: decides nodes from a cached plan while recording, and
-    plans at the region's end when there was none (or the structure changed). Plans keep
-    storages, not nodes: of an op with several results (``native_layer_norm``'s output,
-    mean and rstd) ``min_cut`` may keep some and not others."""
-
-    def __init__(self, planner: Planner, key):
-        self.planner = planner
-        self.key = key
-        entry = plans.get(key) if key is not None else None
-        self.cached = entry  # (signatures, kept group ids) while the recording agrees with it
-        self.keep = entry[1] if entry is not None else frozenset()
-        self.signatures: dict[int, tuple] = {}
-        self.undecided: set[int] = set()  # nodes recorded with no plan: the region's end decides
-        self.planned_now = False
-
-    def decide(self, node: Node, d: CheckpointPolicy) -> bool:
-        """Decide ``node`` (whose policy said ``d``); whether to hold its result now."""
-        if self.key is not None:  # only a cacheable plan is checked and stored by structure
-            sig = self.signatures[node.index] = signature(node)
-        if d is MUST_SAVE or d is MUST_RECOMPUTE:
-            node.decision = d
-            return d is MUST_SAVE
-        cached = self.cached
-        if cached is not None:
-            sigs = cached[0]
-            if node.index < len(sigs) and sigs[node.index] == sig:
-                produced = [node.outputs[k].group for k in node.creates] + list(node.writes)
-                if any(g in self.keep for g in produced):
-                    node.decision = PREFER_SAVE
-                    return self.planner.holds_unsaved
-                node.decision = PREFER_RECOMPUTE
-                return False
-            self.cached = None  # a different structure: plan again at the end
-        node.decision = PREFER_SAVE  # for now: the region's end decides
-        self.undecided.add(node.index)
-        return self.planner.holds_unsaved
-
-    def keeps(self, g) -> bool:
-        """Whether to hold storage ``g`` (its last writer decided SAVE) for now."""
-        node = g.node
-        if node.decision is MUST_SAVE or node.index in self.undecided:
-            return True
-        return node.decision is not MUST_RECOMPUTE and g.id in self.keep
-
-    def finish(self, region) -> None:
-        """Make the plan if none applied, then release what it does not keep.
-
-        A cached plan applies only if, beyond the ops, autograd saved the same values and the
-        policy's MUST decisions are the same: a plan is chosen for what backward needs, and
-        two calls with equal ops can differ there (a frozen weight, a labelled tensor)."""
-        graph = region.graph
-        kept_slots = [s for s in region.kept if not s.exact]
-        wanted = region_values(graph, graph.slots()) | region_values(graph, kept_slots)
-        context = (frozenset(wanted), tuple(must_decisions(graph).items()))
-        cached = self.cached
-        if cached is not None and not self.undecided and len(cached[0]) == len(graph.nodes) and cached[2] == context:
-            return  # decided while recording
-        self.planned_now = True
-        plans.made += 1
-        groups = graph.groups
-        live = {s.meta.group for s in kept_slots} | {g.id for g in groups if g.held is not None}
-        held = [g.id for g in groups if g.held is not None and g.node is not None]
-        keep = self.planner.choose(problem(graph, wanted, live, held))
-        keep = {g for g in keep if g in live}
-        # Apply: the chosen storages stay; everything else held for the plan is let go.
-        for node in graph.nodes:
-            if node.decision is not MUST_SAVE and node.decision is not MUST_RECOMPUTE:
-                node.decision = PREFER_RECOMPUTE
-        for g in groups:
-            node = g.node
-            if node is None or node.decision is MUST_SAVE:
-                continue
-            if g.id in keep:
-                node.decision = PREFER_SAVE
-            else:
-                g.held = None
-        still = []
-        for s in region.kept:
-            g = groups[s.meta.group]
-            if s.exact or g.id in keep or g.node.decision is MUST_SAVE:
-                still.append(s)
-            else:
-                s.release()  # autograd's handle now rebuilds its value
-        region.kept = still
-        if self.key is not None:
-            sigs = tuple(self.signatures[i] for i in range(len(graph.nodes)))
-            plans.put(self.key, sigs, frozenset(keep), context)

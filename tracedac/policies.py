@@ -10,6 +10,11 @@ Decisions are made once per node when the region records it, never per tensor la
 nodes that allocate or write a storage are asked: views cost nothing to rebuild. The two
 planners, ``memory_budget`` and ``min_cut``, decide for the region's whole graph instead
 (``tracedac.planners``); ``either`` combines one of them with per-op policies.
+
+Besides keeping and replaying, a result may be offloaded (``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD``):
+copied to host memory in the forward, brought back in backward (``tracedac.offload``).
+``offload_ops`` and ``offload_names`` mirror ``save_ops`` and ``save_names``;
+``offload_kept(policy)`` offloads whatever ``policy`` (a planner too) would keep.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from .decisions import (  # noqa: F401 (re-exported: callers found them here fir
     MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, RECOMPUTE_OPS, decision, is_save,
     recompute_by_default,
 )
-from .decisions import Held, hold
+from .decisions import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
+from .decisions import Held
 from .errors import CheckpointError
 from .planners import MemoryBudget, MinCut, Planner
 
@@ -36,6 +42,9 @@ __all__ = [
     "either",
     "memory_budget",
     "min_cut",
+    "offload_kept",
+    "offload_names",
+    "offload_ops",
     "recompute_by_default",
     "recompute_all",
     "save_all",
@@ -106,8 +115,69 @@ class SaveNames(Held):
 
 
 @dataclass(frozen=True)
+class OffloadOps(Held):
+    """Offload the results of these ops to host memory (an overload, or every overload of a packet)."""
+
+    ops: frozenset
+
+    def __call__(self, node) -> CheckpointPolicy:
+        op = node.op
+        if op in self.ops or _packet(op) in self.ops:
+            return MUST_CPU_OFFLOAD
+        return PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        return f"offload_ops({', '.join(sorted(str(o) for o in self.ops))})"
+
+
+@dataclass(frozen=True)
+class OffloadNames(Held):
+    """Offload the results labelled with ``tracedac.name(tensor, label)`` for one of these labels."""
+
+    names: frozenset
+
+    def __call__(self, node) -> CheckpointPolicy:
+        return MUST_CPU_OFFLOAD if node.labels & self.names else PREFER_RECOMPUTE
+
+    def __repr__(self) -> str:
+        return f"offload_names({', '.join(repr(n) for n in sorted(self.names))})"
+
+
+_TO_HOST = {MUST_SAVE: MUST_CPU_OFFLOAD, PREFER_SAVE: PREFER_CPU_OFFLOAD}
+
+
+@dataclass(frozen=True)
+class OffloadKept(Held):
+    """Offload to host memory what ``policy`` would keep on the device: its SAVE decisions
+    become CPU_OFFLOAD ones, and a planner's choice is offloaded instead of kept."""
+
+    policy: object
+    offloads_kept = True  # read by the region's planning (plan_cache.Planning)
+
+    @property
+    def constant(self):
+        c = getattr(self.policy, "constant", None)
+        return _TO_HOST.get(c, c)
+
+    @property
+    def planner(self):
+        return self.policy if isinstance(self.policy, Planner) else getattr(self.policy, "planner", None)
+
+    def __call__(self, node) -> CheckpointPolicy:
+        d = decision(self.policy, node)
+        return _TO_HOST.get(d, d)
+
+    def __repr__(self) -> str:
+        return f"offload_kept({describe_policy(self.policy)})"
+
+
+_MUSTS = (MUST_SAVE, MUST_RECOMPUTE, MUST_CPU_OFFLOAD)
+
+
+@dataclass(frozen=True)
 class Either(Held):
-    """Keep what any of the policies keeps; a MUST from one overrides a PREFER from another."""
+    """Keep what any of the policies keeps; a MUST from one overrides a PREFER from another.
+    Of PREFERs, an offload beats a save (both keep; the offload was asked for by name)."""
 
     policies: tuple
 
@@ -118,17 +188,21 @@ class Either(Held):
 
     def __call__(self, node) -> CheckpointPolicy:
         decisions = [decision(p, node) for p in self.policies]
-        musts = {d for d in decisions if d in (MUST_SAVE, MUST_RECOMPUTE)}
-        if len(musts) == 2:
+        musts = {d for d in decisions if d in _MUSTS}
+        if len(musts) > 1:
             said = ", ".join(f"{p!r} -> {d.name}" for p, d in zip(self.policies, decisions))
+            what = {MUST_SAVE: "keep it", MUST_RECOMPUTE: "replay it", MUST_CPU_OFFLOAD: "offload it"}
+            asked = " and another must ".join(what[d] for d in _MUSTS if d in musts)
             raise CheckpointError(
-                f"policies disagree on {node.name} (node {node.index}): {said}. One must keep "
-                "it and another must replay it, and there is no way to do both; drop one of "
-                "the MUST decisions or make it a PREFER."
+                f"policies disagree on {node.name} (node {node.index}): {said}. One must {asked}, "
+                "and there is no way to do both; drop one of the MUST decisions or make it a PREFER."
             )
         if musts:
             return musts.pop()
-        return PREFER_SAVE if PREFER_SAVE in decisions else PREFER_RECOMPUTE
+        for d in (PREFER_CPU_OFFLOAD, PREFER_SAVE):
+            if d in decisions:
+                return d
+        return PREFER_RECOMPUTE
 
     def __repr__(self) -> str:
         return f"either({', '.join(repr(p) for p in self.policies)})"
@@ -146,21 +220,7 @@ def save_all() -> SaveAll:
 
 def save_ops(*ops) -> SaveOps:
     """Keep the results of these ops, e.g. ``save_ops(torch.ops.aten.mm, torch.ops.aten.bmm.default)``."""
-    if not ops:
-        raise ValueError("save_ops() needs at least one op, e.g. save_ops(torch.ops.aten.mm)")
-    for op in ops:
-        if not isinstance(op, (OpOverload, OpOverloadPacket)):
-            hint = ""
-            if isinstance(op, str):
-                hint = f" For {op!r}, pass torch.ops.aten.{op} (every overload) or torch.ops.aten.{op}.default."
-            elif callable(op):
-                name = getattr(op, "__name__", repr(op))
-                hint = f" {name} is a Python function; pass the aten op it runs, e.g. torch.ops.aten.{name}."
-            raise TypeError(
-                f"save_ops() takes aten ops (torch.ops.aten.mm or torch.ops.aten.mm.default), "
-                f"got {op!r} of type {type(op).__name__}.{hint}"
-            )
-    return SaveOps(frozenset(ops))
+    return SaveOps(_ops("save_ops", ops))
 
 
 def save_matmuls() -> SaveOps:
@@ -170,12 +230,56 @@ def save_matmuls() -> SaveOps:
 
 def save_names(*labels: str) -> SaveNames:
     """Keep the results labelled by ``tracedac.name(tensor, label)`` with one of these labels."""
+    return SaveNames(_labels("save_names", labels))
+
+
+def _ops(factory: str, ops) -> frozenset:
+    if not ops:
+        raise ValueError(f"{factory}() needs at least one op, e.g. {factory}(torch.ops.aten.mm)")
+    for op in ops:
+        if not isinstance(op, (OpOverload, OpOverloadPacket)):
+            hint = ""
+            if isinstance(op, str):
+                hint = f" For {op!r}, pass torch.ops.aten.{op} (every overload) or torch.ops.aten.{op}.default."
+            elif callable(op):
+                name = getattr(op, "__name__", repr(op))
+                hint = f" {name} is a Python function; pass the aten op it runs, e.g. torch.ops.aten.{name}."
+            raise TypeError(
+                f"{factory}() takes aten ops (torch.ops.aten.mm or torch.ops.aten.mm.default), "
+                f"got {op!r} of type {type(op).__name__}.{hint}"
+            )
+    return frozenset(ops)
+
+
+def _labels(factory: str, labels) -> frozenset:
     if not labels:
-        raise ValueError("save_names() needs at least one label, e.g. save_names('attn_out')")
+        raise ValueError(f"{factory}() needs at least one label, e.g. {factory}('attn_out')")
     for label in labels:
         if not isinstance(label, str) or not label:
-            raise TypeError(f"save_names() takes non-empty strings, got {label!r}")
-    return SaveNames(frozenset(labels))
+            raise TypeError(f"{factory}() takes non-empty strings, got {label!r}")
+    return frozenset(labels)
+
+
+def offload_ops(*ops) -> OffloadOps:
+    """Copy the results of these ops to host memory in the forward and back in backward,
+    e.g. ``offload_ops(torch.ops.aten.mm)`` (``MUST_CPU_OFFLOAD``; see ``tracedac.offload``)."""
+    return OffloadOps(_ops("offload_ops", ops))
+
+
+def offload_names(*labels: str) -> OffloadNames:
+    """Offload to host memory the results labelled by ``tracedac.name(tensor, label)`` with one
+    of these labels (``MUST_CPU_OFFLOAD``)."""
+    return OffloadNames(_labels("offload_names", labels))
+
+
+def offload_kept(policy) -> OffloadKept:
+    """Offload to host memory what ``policy`` would keep on the device, e.g.
+    ``offload_kept(memory_budget(0.3))`` (what Hugging Face's ``offload=True`` maps to). Inputs
+    the region keeps as eager keeps them (arguments, parameters) stay where they are."""
+    check_policy(policy)
+    if isinstance(policy, OffloadKept):
+        return policy
+    return OffloadKept(policy)
 
 
 def either(*policies) -> Either:
@@ -185,6 +289,11 @@ def either(*policies) -> Either:
     flat = []
     for p in policies:
         check_policy(p)
+        if isinstance(p, OffloadKept) and p.planner is not None:
+            raise ValueError(
+                f"either() got {p!r}: what a planner inside offload_kept() keeps is offloaded, and "
+                "either() would lose that. Put either() inside instead: offload_kept(either(...))."
+            )
         flat.extend(p.policies if isinstance(p, Either) else (p,))
     planners = [p for p in flat if isinstance(p, Planner)]
     if len(planners) > 1:
@@ -207,7 +316,10 @@ def memory_budget(budget, *, cost="flops") -> MemoryBudget:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(f"memory_budget() takes a fraction (float in [0, 1]) or a number of bytes (int), got {budget!r}")
     if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
-        hint = f" For {budget:.0f} bytes, pass an int: memory_budget({int(budget)})." if budget > 1 else ""
+        hint = ""
+        if budget > 1:
+            n = int(budget)  # bytes are whole: the int the user most likely meant, said once
+            hint = f" For {n} bytes, pass an int: memory_budget({n}); for a fraction, a float in [0, 1]."
         raise ValueError(f"memory_budget({budget!r}): a float budget is a fraction in [0, 1] of the bytes kept without "
                          f"checkpointing.{hint}")
     if isinstance(budget, int) and budget < 0:
@@ -230,17 +342,18 @@ def min_cut(*, replay_matmuls: bool = False) -> MinCut:
 
 
 def check_policy(policy) -> None:
+    """Raise if ``policy`` cannot be a policy; nothing else (``decisions.hold`` registers one)."""
     if not callable(policy):
         raise TypeError(
             f"a policy is a callable taking a recorded node and returning a "
             f"torch.utils.checkpoint.CheckpointPolicy (e.g. tracedac.policies.save_matmuls()), "
             f"got {policy!r} of type {type(policy).__name__}"
         )
-    hold(policy)
 
 
 def describe_policy(policy) -> str:
     """How a person wrote the policy: ``save_matmuls()``, or a function's name."""
-    if isinstance(policy, (RecomputeAll, SaveAll, SaveOps, SaveNames, Either, Planner)):
+    if isinstance(policy, (RecomputeAll, SaveAll, SaveOps, SaveNames, Either, Planner, OffloadOps, OffloadNames,
+                           OffloadKept)):
         return repr(policy)
     return getattr(policy, "__qualname__", None) or repr(policy)

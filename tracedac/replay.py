@@ -30,10 +30,11 @@ import torch
 
 from . import replay_compiled as compiled
 from .errors import CheckpointError
-from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs, human_bytes, walk
+from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs
+from .replay_plan import Plan, changed_error, plan
 from .trace import unrecorded
 
-__all__ = ["Slot", "fill_fresh_with_nan", "plan", "run_pass"]
+__all__ = ["Slot", "fill_fresh_with_nan", "run_pass"]
 
 _Tensor = torch.Tensor
 _NOT_STARTED = ("",)
@@ -76,7 +77,10 @@ class Slot:
     ``tensor`` is set when the tensor itself is kept: an input as autograd gave it
     (``exact``), or a result the policy kept (detached, to break the reference cycle
     through its grad_fn). It is returned while its version is unchanged; otherwise, and
-    when nothing was kept, the value is rebuilt from the graph.
+    when nothing was kept, the value is rebuilt from the graph. ``host`` is set instead for
+    a result the policy offloaded (``offload.HostCopy``): brought back to the device while no
+    write the region did not record has touched the tensor since, else rebuilt (or refused)
+    as a changed kept tensor is.
 
     ``unpack`` supplies a value only, in any grad mode: autograd's history never comes from
     what an unpack hook returns. ``SavedVariable::unpack`` wraps that data with the history
@@ -87,163 +91,59 @@ class Slot:
     same history as in eager, and gradients through it reach the region's forward graph.
     """
 
-    __slots__ = ("graph", "meta", "tensor", "version", "exact", "value", "__weakref__")
+    __slots__ = ("graph", "meta", "tensor", "version", "exact", "value", "host", "__weakref__")
 
-    def __init__(self, graph: RegionGraph, meta: TensorMeta, tensor=None, exact=False):
+    def __init__(self, graph: RegionGraph, meta: TensorMeta, tensor=None, exact=False, host=None):
         self.graph = graph
         self.meta = meta
         self.tensor = tensor
         self.version = tensor._version if tensor is not None else -1
         self.exact = exact
         self.value = None
-        if tensor is None:
-            graph.add_slot(self)  # kept handles join a pass only when they change
+        self.host = host
+        if tensor is None and host is None:
+            graph.add_slot(self)  # kept (and offloaded) handles join a pass only when they change
 
     def release(self) -> None:
-        """Stop holding the tensor: from now on the value is rebuilt (a planner dropped it)."""
+        """Stop holding the tensor (or its host copy): from now on the value is rebuilt (a
+        planner dropped it, or the copy is not of the state saved)."""
         self.tensor = None
+        self.host = None
         self.version = -1
         self.graph.add_slot(self)
 
+    def offload(self, host) -> None:
+        """Hold ``host``, a copy of the kept tensor, instead of the tensor."""
+        host.watch(self.tensor)
+        self.host = host
+        self.tensor = None
+        self.version = -1
+
     @property
     def changed(self) -> bool:
-        """Kept, but modified in place since it was saved."""
+        """Kept (or offloaded), but modified in place since it was saved."""
+        if self.host is not None:
+            return not self.host.serves(self.meta)
         return self.tensor is not None and self.tensor._version != self.version
 
     @property
     def wanted(self) -> bool:
-        return self.value is None and (self.tensor is None or self.changed)
+        return self.value is None and ((self.tensor is None and self.host is None) or self.changed)
 
     def unpack(self) -> torch.Tensor:
         t = self.tensor
         if t is not None and t._version == self.version:
             return t
+        host = self.host
+        if host is not None and host.serves(self.meta):
+            with unrecorded():
+                return host.fetch(self.meta)
         graph = self.graph
         with graph.lock:
             if self.value is None:
                 run_pass(graph, self)
             value, self.value = self.value, None
         return value
-
-
-# --- planning ----------------------------------------------------------------------------
-
-
-def _live(graph: RegionGraph, g: Group):
-    """The source of a group's final state that is still valid, or None. While the region
-    records, a held or outside tensor is in its group's latest state (``RegionGraph.recording``);
-    once it has ended, only if its version counter is where it was then."""
-    recording = graph.recording
-    if g.held is not None and (recording or g.held._version == g.version):
-        return "held"
-    if g.external is not None and (recording or g.external._version == g.version):
-        return "external"
-    if g.outer is not None:
-        return "outer"
-    return None
-
-
-class _Forgotten(CheckpointError):
-    """Replay needs a node the region ended sure nothing would replay (a source changed since)."""
-
-    def __init__(self, node):
-        super().__init__(
-            f"replay needs {node.name} (node {node.index}), which the region did not keep because "
-            "nothing was to replay it; something it relied on was modified in place after the "
-            "forward. Modify a copy instead, or make the change after backward."
-        )
-
-
-def _unavailable(graph: RegionGraph, g: Group) -> Exception:
-    if g.external is not None:
-        return CheckpointError(
-            f"{graph.namer(g.external)}, which region {graph.name!r} read, was modified in place "
-            f"after the forward (version {g.external._version}, read at {g.version}), and "
-            "backward needs the value the forward saw to replay the ops that read it. Apply "
-            "the update after backward, or keep what the region computed from it with a policy "
-            "(tracedac.name(...) on the result and policies.save_names(...))."
-        )
-    return AssertionError(  # region exit plans every source replay may need: a bug of ours
-        f"a storage of {human_bytes(g.nbytes)} that region {graph.name!r} read is needed to "
-        "replay its ops but was not kept; this is a tracedac bug, please report it with the "
-        "region's code."
-    )
-
-
-def _changed_error(graph: RegionGraph, slot) -> CheckpointError:
-    t = slot.tensor
-    if slot.exact:
-        return CheckpointError(
-            f"{graph.namer(t)}, which region {graph.name!r} read and autograd saved, was "
-            f"modified in place after the forward (version {t._version}, saved at "
-            f"{slot.version}); its gradient would be computed from the new value. Modify a "
-            "copy, or make the change after backward."
-        )
-    return _kept_changed_error(graph, graph.groups[slot.meta.group], t._version, slot.version)
-
-
-def _kept_changed_error(graph: RegionGraph, g: Group, now: int, then: int) -> CheckpointError:
-    node = g.node
-    return CheckpointError(
-        f"the result of {node.name} (node {node.index} of region {graph.name!r}), kept for "
-        f"backward, was modified in place after the forward (version {now}, kept at {then}), "
-        "and what it was computed from was not kept, so it cannot be rebuilt. Modify a copy "
-        "instead, or use a policy that does not keep it."
-    )
-
-
-class Plan:
-    __slots__ = ("starts", "nodes", "wanted", "reads", "_last_use")
-
-    def __init__(self, starts, nodes, wanted, reads):
-        self.starts = starts  # group id -> (source kind, state it starts in)
-        self.nodes = nodes  # node indices to run, in recorded order
-        self.wanted = wanted  # the (group id, state) pairs it was made for
-        self.reads = reads  # node index -> its tensor arguments (TensorMeta)
-        self._last_use = None
-
-    def last_use(self) -> dict:
-        """The last planned node reading each group."""
-        if self._last_use is None:
-            self._last_use = {m.group: i for i in self.nodes for m in self.reads[i]}
-        return self._last_use
-
-    def still_valid(self, graph: RegionGraph, wanted: frozenset) -> bool:
-        """Whether this plan still answers ``wanted``: same requests, live sources unchanged."""
-        return wanted == self.wanted and all(
-            kind not in ("held", "external") or _live(graph, graph.groups[gid]) == kind
-            for gid, (kind, _) in self.starts.items()
-        )
-
-
-def plan(graph: RegionGraph, wanted) -> Plan:
-    """What to run to produce every (group id, state) in ``wanted``."""
-    stale = None  # a kept storage the program modified since, if planning had to go around one
-
-    def refuse(error):
-        if stale is not None:
-            raise _kept_changed_error(graph, stale, stale.held._version, stale.version)
-        raise error
-
-    def start_of(g: Group, lowest: int) -> tuple:
-        nonlocal stale
-        kind = _live(graph, g) if lowest == len(g.mutations) else None
-        if kind is None and g.held is not None and not graph.recording and g.held._version != g.version:
-            stale = stale or g  # kept, then modified by the program: must be rebuilt
-        if kind is not None:
-            return (kind, lowest)
-        if g.creator is None and g.snapshot is not None:
-            return ("snapshot", 0)
-        if g.creator is None:
-            refuse(_unavailable(graph, g))
-        return ("create", 0)
-
-    def visit(node) -> None:
-        if not node.replayable:
-            refuse(_Forgotten(node))
-
-    starts, chosen, reads = walk(graph, wanted, start_of, visit)
-    return Plan(starts, chosen, frozenset(wanted), reads)
 
 
 # --- running -----------------------------------------------------------------------------
@@ -260,6 +160,8 @@ def _source(g: Group, kind: str) -> torch.Tensor:
     if kind == "outer":
         with torch.no_grad():  # as backward unpacks it (replay runs in grad mode)
             return g.outer.unpack()
+    if kind == "host":
+        return g.host.source()
     raise AssertionError(kind)
 
 
@@ -354,7 +256,7 @@ def _run_compiled(graph: RegionGraph, p: Plan, slots: list) -> bool:
 
 def run_pass(graph: RegionGraph, caller: Slot) -> None:
     """Rebuild ``caller``'s value and that of every handle of ``graph`` backward still waits for."""
-    if torch.autograd._profiler_enabled():  # one event per pass, for `python -m tracedac.bench --profile`
+    if torch.autograd._profiler_enabled():  # one event per pass, for `python -m benchmarks --profile`
         with torch.autograd.profiler.record_function("tracedac::replay"):
             return _run_pass(graph, caller)
     return _run_pass(graph, caller)
@@ -383,7 +285,7 @@ def _replay(graph: RegionGraph, caller: Slot) -> None:
             changed = [s for s in slots if s.changed]
             if not changed:
                 raise
-            raise _changed_error(graph, changed[0]) from None
+            raise changed_error(graph, changed[0]) from None
     graph.passes += 1
     graph.replayed_ops += len(p.nodes)
     if compiled._enabled and not _fill_nan and _run_compiled(graph, p, slots):

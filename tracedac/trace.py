@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 import threading
 import time
@@ -20,72 +19,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CheckpointError
 from .graph import Group, Layout, Node, RegionGraph, TensorMeta, flatten_outputs
-from .writes import hidden_writes, writes_now
+from .location import current_module_path, user_source
+from .op_info import _INFO, op_info, storage_address as _address
+from .writes import writes_now
 
-__all__ = ["TracerMode", "current_module_path", "unrecorded"]
+__all__ = ["TracerMode", "deciding", "unrecorded"]
 
 _Tensor = torch.Tensor
-# The StorageImpl's address, without making (and so having torch keep) a Python storage object.
-_address = getattr(torch._C, "_storage_address", None) or (lambda t: t.untyped_storage()._cdata)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
-
-
-class _OpInfo:
-    __slots__ = ("writes", "rebinds", "seeded", "view", "layout_only", "hidden", "bare")
-
-    def __init__(self, writes, rebinds, seeded, view, layout_only=False, hidden=None, bare=False):
-        self.writes = writes  # ((position, name), ...) of arguments whose data the op writes
-        # writes its schema does not declare (writes.hidden_writes: BatchNorm's running
-        # statistics), decided per call by a flag argument
-        self.hidden = hidden
-        self.rebinds = rebinds  # arguments whose geometry it rewrites in place
-        self.seeded = seeded  # draws from a random generator
-        # a pure view (transpose, select, split...): allocates and writes nothing, so there
-        # is nothing to record; a third of a transformer's ops
-        self.view = view
-        self.layout_only = layout_only  # reads only the layout of its first argument (_LAYOUT_ONLY)
-        self.bare = bare  # returns no tensor and writes none (prim.device, item): run it, nothing else
-
-
-_aten = torch.ops.aten
-# Ops that read their first argument's dtype, shape, strides and device, never its values.
-_LAYOUT_ONLY = frozenset([
-    _aten.empty_like, _aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.rand_like,
-    _aten.randn_like, _aten.randint_like, _aten.new_empty, _aten.new_empty_strided,
-    _aten.new_zeros, _aten.new_ones, _aten.new_full,
-])
-_INFO: dict = {}
+_local = threading.local()  # ``unrecorded``'s switch
 _NO_KWARGS: dict = {}  # shared by every node without keyword arguments: never written
 _SEQUENCES = (list, tuple)
 _FIRST = (0,)  # the ``creates`` of nearly every node: one shared tuple
-
-
-def op_info(func) -> _OpInfo:
-    tags = getattr(func, "tags", ())
-    written = tuple(
-        (i, a.name)
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
-    # An "inplace view" (t_, unsqueeze_, set_, resize_) rewrites a tensor's geometry, not its
-    # data. Geometry is read off the tensor at every use, so that is an ordinary view to us,
-    # as long as the tensor stays on its storage (set_ and a growing resize_ do not).
-    seeded = torch.Tag.nondeterministic_seeded in tags
-    hidden = hidden_writes(func) if isinstance(func, torch._ops.OpOverload) else None
-    # An op that returns no tensor and writes none (prim.device, sym_size, item): nothing to
-    # replay, run it bare. (Such ops also reach the mode from C++, where an exception would
-    # abort the process.)
-    returns_tensor = any(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType))
-                         for r in func._schema.returns)
-    bare = not returns_tensor and not written and not seeded and hidden is None
-    view = (bool(getattr(func, "is_view", False)) and not written and not seeded and hidden is None) or bare
-    if torch.Tag.inplace_view in tags:
-        info = _OpInfo((), written, seeded, False)
-    else:
-        info = _OpInfo(written, (), seeded, view, getattr(func, "overloadpacket", None) in _LAYOUT_ONLY, hidden,
-                       bare)
-    _INFO[id(func)] = (func, info)  # by id: OpOverload.__hash__ is a Python method; func pins the id
-    return info
 
 
 def _generator(args, kwargs):
@@ -108,50 +53,12 @@ def _generator(args, kwargs):
     )
 
 
-# --- where in the model an op ran --------------------------------------------------------
-
-_local = threading.local()
-_hooks_lock = threading.Lock()
-_hook_users = 0
-_hook_handles: tuple = ()
-
-
-def _module_stack() -> list:
-    stack = getattr(_local, "modules", None)
-    if stack is None:
-        stack = _local.modules = []
-    return stack
-
-
-def _push_module(module, args):
-    _module_stack().append(module)
-
-
-def _pop_module(module, args, output):
-    stack = _module_stack()
-    if stack and stack[-1] is module:
-        stack.pop()
-
-
-def track_modules(on: bool) -> None:
-    """Count regions that want module paths; global module hooks exist only while any does."""
-    global _hook_users, _hook_handles
-    from torch.nn.modules.module import (
-        register_module_forward_hook,
-        register_module_forward_pre_hook,
-    )
-
-    with _hooks_lock:
-        _hook_users += 1 if on else -1
-        if on and _hook_users == 1:
-            _hook_handles = (
-                register_module_forward_pre_hook(_push_module),
-                register_module_forward_hook(_pop_module, always_call=True),
-            )
-        elif not on and _hook_users == 0:
-            for h in _hook_handles:
-                h.remove()
-            _hook_handles = ()
+def deciding(node):
+    """``(args, kwargs, out)`` of the op ``node`` records while its region decides it (a
+    policy asked from the recorder, in this thread), else None. Read by policies that look
+    at values, as torch's selective checkpointing's policy functions do (``selective.py``)."""
+    call = _local.__dict__.get("call")
+    return call[1:] if call is not None and call[0] is node else None
 
 
 @contextlib.contextmanager
@@ -171,31 +78,6 @@ def unrecorded():
         yield
     finally:
         _local.unrecorded = before
-
-
-def current_module_path(names: dict) -> str | None:
-    """Qualified name of the innermost module running now, from a region's name table."""
-    stack = _local.__dict__.get("modules")
-    if not stack:
-        return None
-    m = stack[-1]
-    name = names.get(id(m))
-    return name if name is not None else type(m).__name__
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(__file__)  # tracedac's own modules (not its subpackages' models)
-
-
-def user_source() -> str | None:
-    """``file:line`` of the innermost frame outside torch and tracedac (report mode only)."""
-    f = sys._getframe(2)
-    while f is not None:
-        filename = f.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or os.path.dirname(filename) == _OWN_DIR or "contextlib" in filename):
-            return f"{filename}:{f.f_lineno}"
-        f = f.f_back
-    return None
 
 
 def _written_tensors(positions, args, kwargs):
@@ -445,6 +327,8 @@ class TracerMode(TorchDispatchMode):
             g = self.storages[storage._cdata]
             if any(w[1] is g for w in written):
                 continue  # two views of one storage in a list (_foreach_add_): one write of the group
+            if g.host is not None:
+                g.host.before_write()  # CUDA: the copy to host of the state before it has been read
             if writes and g.creator is None and not g.mutations:
                 # The outside tensor's value before this write may be needed to replay what
                 # read it, and the write cannot be undone: copy it now (the region's end drops
@@ -480,7 +364,7 @@ class TracerMode(TorchDispatchMode):
             for a in args:
                 if isinstance(a, _Tensor) and self.group_of(a) is None:
                     self.external(a)
-            return func._op(*args, **kwargs)
+            return info.run(*args, **kwargs)  # func._op, or a functional collective's wait (op_info._wait)
         # Arguments first: this registers outside storages before the outputs are looked at
         # (so a view of an input is not taken for a new storage), and records what a writing
         # op read before it writes. Most arguments are the last op's results: cached metas.
@@ -561,7 +445,12 @@ class TracerMode(TorchDispatchMode):
             graph.times[node.index] = elapsed[1]
         if rng is not None:
             self.rng_last[rng[0]] = (node.index, rng[0].get_state())
-        if not region.decide(node):
+        _local.call = (node, args, kwargs, out)  # for a policy that reads the op's values (``deciding``)
+        try:
+            keep = region.decide(node)
+        finally:
+            _local.call = None  # holds the op's tensors: never past the decision
+        if not keep:
             return out
         # Held as the program's own tensors for now: a detach() down here, below autograd,
         # would not share their version counter (the region makes proper aliases later).

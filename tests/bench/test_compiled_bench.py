@@ -1,11 +1,11 @@
-"""``--compile``'s step times in turns (tracedac/bench/compiled.py ``_in_turns``)."""
+"""``--compile``'s step times in turns (benchmarks/compiled.py ``_in_turns``)."""
 
 import functools
 
 import torch
 
-from tracedac.bench import compiled
-from tracedac.bench.model import GPT, make_batch
+from benchmarks import compiled
+from benchmarks.model import GPT, make_batch
 
 
 def test_step_times_in_turns_time_every_variant_without_a_recompile(monkeypatch):

@@ -1,10 +1,10 @@
-"""``--compile``'s equal-bytes comparison (tracedac/bench/frontier.py)."""
+"""``--compile``'s equal-bytes comparison (benchmarks/frontier.py)."""
 
 import pytest
 
-from tracedac.bench import frontier
-from tracedac.bench.compiled import QUICK, _equal_bytes
-from tracedac.bench.model import GPT, make_batch
+from benchmarks import frontier
+from benchmarks.compiled import QUICK, _equal_bytes
+from benchmarks.model import GPT, make_batch
 
 
 def test_torchs_curve_is_read_at_the_same_bytes_on_its_lower_envelope():

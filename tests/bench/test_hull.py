@@ -1,4 +1,4 @@
-"""The floor under memory_budget plans (tracedac/bench/hull.py): a lower bound on what any
+"""The floor under memory_budget plans (benchmarks/hull.py): a lower bound on what any
 choice of kept values replays within a byte limit, checked against every choice."""
 
 import copy
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import tracedac
-from tracedac.bench import hull
-from tracedac.bench.compiled import QUICK
-from tracedac.bench.model import GPT, make_batch
+from benchmarks import hull
+from benchmarks.compiled import QUICK
+from benchmarks.model import GPT, make_batch
 from tracedac.compile.report import partition
 
 import torch

@@ -1,4 +1,4 @@
-"""python -m tracedac.bench --llama at a tiny size: every variant steps and gets no-checkpoint gradients."""
+"""python -m benchmarks --llama at a tiny size: every variant steps and gets no-checkpoint gradients."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tracedac import replay_compiled as compiled
-from tracedac.bench import llama_steps
+from benchmarks import llama_steps
 
 
 def _run(variants):

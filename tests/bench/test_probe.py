@@ -5,7 +5,8 @@ import sys
 
 import torch
 
-from tracedac.bench import probe
+from benchmarks import probe
+from benchmarks.child import ROOT
 
 
 def test_the_probe_sees_a_tensor_come_and_go():
@@ -21,7 +22,7 @@ def test_keeping_freed_memory_serves_big_tensors_from_the_heap_and_the_probe_sti
     """In a child: the setting lasts for the rest of the process that asks for it."""
     code = (
         "import torch, ctypes\n"
-        "from tracedac.bench import probe\n"
+        "from benchmarks import probe\n"
         "assert probe.keep_freed_memory()\n"
         "mmapped = probe._mallinfo2()().hblkhd  # what import torch mapped before the setting\n"
         "b = probe.allocated_bytes(); t = torch.empty(1 << 22); d = probe.allocated_bytes() - b\n"
@@ -29,5 +30,5 @@ def test_keeping_freed_memory_serves_big_tensors_from_the_heap_and_the_probe_sti
         "assert 16 << 20 <= d < (16 << 20) + 65536, d\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,11 +1,11 @@
-"""python -m tracedac.bench --profile: the breakdown names what tracedac adds to each half."""
+"""python -m benchmarks --profile: the breakdown names what tracedac adds to each half."""
 
 from __future__ import annotations
 
 import torch
 
-from tracedac.bench import checkpointing, profile
-from tracedac.bench.__main__ import main
+from benchmarks import checkpointing, profile
+from benchmarks.__main__ import main
 
 
 def test_the_profile_separates_the_recorder_and_the_replay_passes(capsys):

@@ -10,12 +10,12 @@ import torch
 
 import tracedac
 from tracedac import CheckpointError, policies
-from tracedac.bench.probe import allocated_bytes
-from tracedac.checkpoint import current_region, reporting
+from benchmarks.probe import allocated_bytes
+from tracedac.region import current_region, reporting
 from tracedac.integrations import hf
-from tracedac.planners import plans
+from tracedac.plan_cache import plans
 
-from .hf_models import ARCHITECTURES, batch, build, loss
+from ..support.hf_models import ARCHITECTURES, batch, build, loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecated aliases
 
@@ -118,7 +118,7 @@ def test_regions_carry_the_layers_qualified_name_in_reports_and_errors():
     out = loss(model, inputs)
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight.mul_(2)
-    with pytest.raises(CheckpointError, match=r"parameter 'mlp.up_proj.weight'.*region 'model.layers.1'"):
+    with pytest.raises(CheckpointError, match=r"parameter 'model.layers.1.mlp.up_proj.weight'.*region 'model.layers.1'"):
         out.backward()
 
 
@@ -142,8 +142,10 @@ def test_disable_and_unwrap_put_back_every_flag_function_hook_and_attribute():
             hf.enable(model, policy=policies.min_cut())
             model.activation_checkpointing_enable()  # what Trainer does: tracedac stays
             assert isinstance(model.model.layers[0]._gradient_checkpointing_func, hf._Checkpointing)
+            assert tracedac.is_checkpointed(model) and tracedac.is_checkpointed(model.model.layers[0])
             assert undo(model) is model
             assert state(model) == before
+            assert not tracedac.is_checkpointed(model)
             with reporting() as regions:
                 got = grads(model, inputs)
             assert regions == [] and all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -181,7 +183,8 @@ def test_enable_refuses_a_model_without_transformers_switch():
 
 
 def test_trainer_with_gradient_checkpointing_trains_with_tracedac_running_each_layer_once(tmp_path):
-    """``TrainingArguments(gradient_checkpointing=True)`` makes the Trainer call the model's
+    """``TrainingArguments(activation_checkpointing=True)`` (transformers 5's name; the
+    deprecated ``gradient_checkpointing=True`` does the same) makes the Trainer call the model's
     ``activation_checkpointing_enable``: tracedac stays (regions recorded, named by layer),
     Python in each layer runs once per step (torch's checkpoint would count two), and the
     weights after three steps are those of a run without checkpointing."""
@@ -202,8 +205,8 @@ def test_trainer_with_gradient_checkpointing_trains_with_tracedac_running_each_l
         if enable:
             hf.enable(model, policy=recording)
         args = TrainingArguments(
-            output_dir=str(tmp_path / "out"), gradient_checkpointing=enable,
-            gradient_checkpointing_kwargs={"use_reentrant": False}, max_steps=3, per_device_train_batch_size=2,
+            output_dir=str(tmp_path / "out"), activation_checkpointing=enable,
+            activation_checkpointing_kwargs={"use_reentrant": False}, max_steps=3, per_device_train_batch_size=2,
             learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", report_to="none", save_strategy="no",
             logging_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_drop_last=True)
         data = [{k: v[0] for k, v in batch(1, 16, seed=s).items()} for s in range(6)]

@@ -16,7 +16,7 @@ from tracedac.compile.report import partition
 from tracedac.integrations import hf
 
 from ..test_compile import fresh_dynamo  # noqa: F401  (autouse: dynamo reset around each test)
-from .hf_models import batch, build, loss
+from ..support.hf_models import batch, build, loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import tracedac
 import tracedac.zero as zero
-from tracedac.bench import probe
-from tracedac.zero import ops as zops
+from benchmarks import probe
+from tracedac.zero import gathered as zgathered
 
 from . import workers as w
 
@@ -88,7 +88,7 @@ def equal_to_eager(rank, world, cases, backend=BACKEND):
         m = build(where)
         losses, sd = train(m, compiled(m, how, backend, dynamic), rank, world, rows)
         out[(where, how, dynamic)] = (max(abs(a - b) for a, b in zip(losses, ref_losses)), w.max_diff(sd, ref_sd),
-                                      len(zops._LIVE))
+                                      len(zgathered._LIVE))
     _fresh()
     return out
 
@@ -192,7 +192,7 @@ def memory(rank, world, steps=10, d=192):
         held.append((probe.allocated_bytes(), _tensors()))
     _fresh()
     unit = 4 * sum(p.numel() for p in m.blocks[0].parameters())
-    return held[steps][0] - held[1][0], held[1][1], held[steps][1], unit, len(zops._LIVE)
+    return held[steps][0] - held[1][0], held[1][1], held[steps][1], unit, len(zgathered._LIVE)
 
 
 def several(rank, world, parts):
@@ -239,7 +239,7 @@ class LinearModel(torch.nn.Module):
 
 def _autocast_training(call, m, rank, world, steps=3):
     """Losses, final parameters and all-gather bytes by dtype (counted at the process group)."""
-    from tracedac.bench.collectives import AllGatherCounter
+    from benchmarks.collectives import AllGatherCounter
 
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     losses, counter = [], AllGatherCounter()
@@ -259,7 +259,7 @@ def fused_cast(rank, world):
     """A fp32-sharded model compiled under bf16 autocast, with the gather-cast pass and with it
     patched out: losses and parameters (must be bit-identical: a cast moved before a copy),
     all-gather bytes by dtype, and the dtypes of the gathers in the forward and backward graphs."""
-    import tracedac.compile.gather_cast as gather_cast
+    import tracedac.compile.passes.gather_cast as gather_cast
 
     out = {}
     bf16 = zero.MixedPrecision(torch.bfloat16, torch.float32)

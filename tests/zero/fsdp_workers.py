@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tracedac.zero as zero
-from tracedac.zero import ops as zops
+from tracedac.zero import group as zgroup
 
 from . import workers as w
 
@@ -184,19 +184,19 @@ def no_sync(rank, world):
     ref_losses = run(w.model(), 0, 1, micro=2)
     m = zero.shard(w.model())
     calls = []
-    real = zops._reduce_scatter
+    real = zgroup._reduce_scatter
 
     def counting(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
 
-    zops._reduce_scatter = counting
+    zgroup._reduce_scatter = counting
     try:
         losses = run(m, rank, world, micro=2, sync=m.set_requires_gradient_sync)
         without = len(calls)
         run(zero.shard(w.model()), rank, world, micro=2)
     finally:
-        zops._reduce_scatter = real
+        zgroup._reduce_scatter = real
     return dict(losses=losses, ref=ref_losses, reduce_scatters=without, reduce_scatters_always=len(calls) - without,
                 diff=w.max_diff(full(m), full_ref(micro=2)))
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import tracedac
 import tracedac.zero as zero
-from tracedac.bench import probe
+from benchmarks import probe
 
 D = 32
 

@@ -87,7 +87,7 @@ def test_no_tensor_and_no_unit_leaks_over_ten_compiled_steps(ranks):
 
 
 def test_autocasts_downcast_of_a_gathered_parameter_moves_into_the_gather(ranks):
-    """``compile/gather_cast.py``: a unit whose every parameter autocast casts to bf16 gathers
+    """``compile/passes/gather_cast.py``: a unit whose every parameter autocast casts to bf16 gathers
     bf16 (forward, and backward's gather again), with no cast of a gathered value left; the
     root (a LayerNorm, read in fp32) still gathers fp32. Training is bit-identical to the same
     compiled model without the pass, and the wire carries bf16 for the Linear units."""
@@ -133,7 +133,7 @@ def test_auto_dtype_compiled_gathers_every_linear_group_in_bf16(ranks):
 
 
 def test_the_next_units_all_gather_is_issued_before_this_units_compute(ranks):
-    """``compile/gather_prefetch.py``: in a whole-model graph each gather is a start and a
+    """``compile/passes/gather_prefetch.py``: in a whole-model graph each gather is a start and a
     wait, and unit k+1's starts come right after unit k's waits, before anything reads unit
     k's parameters. With the runtime prefetch off the graph's order is the only prefetch;
     training equals eager zero.shard, and backward still gathers every trainable unit again."""

@@ -13,7 +13,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 import tracedac
 import tracedac.zero as zero
 from tracedac import policies
-from tracedac.checkpoint import reporting
+from tracedac.region import reporting
+from tracedac.zero import unit as zunit
+from tracedac.zero.module import sharded
 
 from . import workers as w
 
@@ -249,6 +251,18 @@ def _two_units_sharing_a_bias():
     return m
 
 
+def _meta_mesh_dispatches() -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "meta")
+    try:
+        DTensor.from_local(torch.empty(2, device="meta"), mesh, [Shard(0)]).detach()
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_to_empty_respecs_every_group_and_keeps_parameter_order(world1, monkeypatch):
     import sys
 
@@ -260,10 +274,14 @@ def test_to_empty_respecs_every_group_and_keeps_parameter_order(world1, monkeypa
 
     real = zshard._mesh
     # A mesh of another device type than the shards' next one (as meta -> cuda under NCCL).
-    monkeypatch.setattr(zshard, "_mesh", lambda group, device: DeviceMesh.from_group(group, "meta"))
+    # torch >= 2.14 runs no DTensor op on a mesh of device type "meta" (its cost model asks
+    # the device's handle how many devices a host has, and meta has none), which users never
+    # make: there a "cpu" mesh stands in, and the respec below is to the same type.
+    mesh_type = "meta" if _meta_mesh_dispatches() else "cpu"
+    monkeypatch.setattr(zshard, "_mesh", lambda group, device: DeviceMesh.from_group(group, mesh_type))
     zero.shard(m)
     monkeypatch.setattr(zshard, "_mesh", real)
-    assert len(zshard.sharded(m).all_groups) == 2
+    assert len(sharded(m).all_groups) == 2
     m.to_empty(device="cpu")
     assert list(m.state_dict()) == keys
     params = [p for _, p in m.named_parameters()]
@@ -275,8 +293,17 @@ def test_to_empty_respecs_every_group_and_keeps_parameter_order(world1, monkeypa
     assert all(p.grad is not None for p in params)
 
 
+def test_sharded_units_refuse_to_compile_before_torch_2_13_with_what_to_do(monkeypatch):
+    monkeypatch.setattr(zunit, "_VERSION", (2, 13))
+    assert zunit.compiles_zero(True) is True
+    monkeypatch.setattr(zunit, "_VERSION", (2, 11))
+    assert zunit.compiles_zero(False) is True  # make_fx and fake tensors trace it there
+    with pytest.raises(zero.ZeroError, match="needs torch 2.13 or newer.*run the sharded model eagerly"):
+        zunit.compiles_zero(True)
+
+
 def test_order_check_rows_live_where_the_backend_moves_tensors(monkeypatch):
-    from tracedac.zero.ops import collective_device
+    from tracedac.zero.group import collective_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # no GPU here: the choice, not the move
 

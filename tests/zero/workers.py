@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 import tracedac
 import tracedac.zero as zero
-from tracedac.zero import ops as zops
+from tracedac.zero import gathered as zgathered
+from tracedac.zero import group as zgroup
 
 D = 16
 BATCH = 12  # divides by world sizes 1 to 4
@@ -130,11 +131,11 @@ class GatherLog:
         self.counts = collections.Counter()
         self.refs = []
         self.bytes = 0
-        self._gather, self._all_gather = zops.FlatGroup.gather, zops._all_gather
+        self._gather, self._all_gather = zgroup.FlatGroup.gather, zgroup._all_gather
         log = self
 
         self.prefetched = self.starts = 0
-        self._start = zops.FlatGroup.start
+        self._start = zgroup.FlatGroup.start
 
         def start(flat, shard, dtype=None, together=()):
             log.starts += 1 + len(together)
@@ -152,7 +153,7 @@ class GatherLog:
                 log.bytes += out.numel() * out.element_size()
             return log._all_gather(out, src, **kw)
 
-        zops.FlatGroup.gather, zops.FlatGroup.start, zops._all_gather = gather, start, all_gather
+        zgroup.FlatGroup.gather, zgroup.FlatGroup.start, zgroup._all_gather = gather, start, all_gather
 
     def alive(self):
         """Gathered buffers still alive. gloo's worker thread lets go of a finished
@@ -165,7 +166,7 @@ class GatherLog:
         return n
 
     def close(self):
-        zops.FlatGroup.gather, zops.FlatGroup.start, zops._all_gather = self._gather, self._start, self._all_gather
+        zgroup.FlatGroup.gather, zgroup.FlatGroup.start, zgroup._all_gather = self._gather, self._start, self._all_gather
 
 
 def memory(rank, world):
@@ -190,7 +191,7 @@ def memory(rank, world):
         # how many units gather each group: its owner, and units borrowing a shared parameter
         users = collections.Counter(g.key for u in z.all_units for g in u.groups)
         out[where] = dict(alive=alive_after_forward, forward=forward, backward=backward, users=dict(users),
-                          live=len(zops._LIVE), starts=log.starts, prefetched=log.prefetched,
+                          live=len(zgathered._LIVE), starts=log.starts, prefetched=log.prefetched,
                           grads=all(p.grad is not None for p in m.parameters() if p.requires_grad))
     return out
 
@@ -295,8 +296,8 @@ def diverge(rank, world, learned=False):
     try:
         F.mse_loss(m(x), y).backward()
     except zero.ZeroError as e:
-        return time.monotonic() - start, str(e), len(zops._LIVE)
-    return time.monotonic() - start, None, len(zops._LIVE)
+        return time.monotonic() - start, str(e), len(zgathered._LIVE)
+    return time.monotonic() - start, None, len(zgathered._LIVE)
 
 
 def diverge_after_a_step(rank, world):
@@ -308,7 +309,7 @@ class CheckLog:
 
     def __init__(self):
         self.counted = collections.Counter()
-        self._agree = real = zops.FlatGroup.agree
+        self._agree = real = zgroup.FlatGroup.agree
         log = self
 
         def agree(flat, what, dtype, together=()):
@@ -316,10 +317,10 @@ class CheckLog:
             log.counted[what] += 1 + len(together)
             return real(flat, what, dtype, together)
 
-        zops.FlatGroup.agree = agree
+        zgroup.FlatGroup.agree = agree
 
     def close(self):
-        zops.FlatGroup.agree = self._agree
+        zgroup.FlatGroup.agree = self._agree
 
 
 def checks(rank, world):

@@ -8,20 +8,29 @@ AOTAutograd's functionalization handles mutation. The key names the region's pol
 process registry (``registry.py``).
 
 AOTAutograd copies the annotation onto every node of the joint graph the region produced.
-Before torch's min-cut partitioner runs, a joint-graph pass (``tag_regions.py``) builds
-each region's forward nodes into the graph the policies and planners already read
+Before torch's min-cut partitioner runs, a joint-graph pass (``passes/tag_regions.py``)
+builds each region's forward nodes into the graph the policies and planners already read
 (``fx_graph.py``), asks the region's policy or planner, and writes ``node.meta["recompute"]``
-and ``node.meta["ac_graph_id"]``, which the partitioner honours. The pass is registered,
+and ``node.meta["ac_graph_id"]``, which the partitioner honours. The passes are registered,
 the first time a region is traced, as inductor's ``joint_custom_pre_pass`` (a
 ``CustomGraphPass`` whose ``uuid`` is part of inductor's cache key) and as AOTAutograd's
 ``joint_custom_pass`` (which the other backends run; see ``install.py``).
 
-A second joint-graph pass (``zero_tags.py``, registered the same way, the first time a
-``tracedac.zero`` gather is traced) tags ZeRO-3's gathers, and what is computed from
-gathered parameters alone, to be recomputed: backward gathers again.
+The other passes in ``passes/`` (all run by that one hook, in the order of
+``passes.PASSES``; registered by whichever is traced first, a region or a ``tracedac.zero``
+gather) serve ZeRO-3: one moves autocast's cast of a gathered parameter into the gather
+(``gather_cast.py``), one starts each unit's gather while the unit before it computes
+(``gather_prefetch.py``), and one tags the gathers, and what is computed from gathered
+parameters alone, to be recomputed: backward gathers again (``zero_tags.py``).
 
 ``tracedac.name(t, label)`` is an identity op under compile (``name_op.py``): the pass
 moves its label onto the node that produced ``t`` and removes it.
+
+The modules import one another without a circle: ``vocab.py`` (what they share: the
+annotation key, the mark op, the spec table, the meta keys, ``backward_nodes``, ``zero_op``)
+imports none of them; ``entry -> registry -> vocab``; ``install -> passes/* -> fx_graph ->
+names``; ``report -> fx_graph``. Only ``registry.install_traced`` imports ``install`` inside
+a function, so that importing tracedac imports no inductor module.
 """
 
 from .entry import traced_region

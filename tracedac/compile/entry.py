@@ -2,16 +2,17 @@
 and a mark.
 
 - The annotation (``torch.fx.traceback.annotate({"tracedac_region": key})``) puts the
-  region's key on every node the region traces: the joint-graph pass reads it there.
+  region's key on every node the region traces: ``passes/tag_regions.py`` reads it there.
 - The mark (``tracedac::region(key)``, an op that does nothing) puts the key in the graph's
   code. Compiler caches hash the code and drop ``node.meta``: without the mark, two graphs
   of the same code whose regions differ only in policy hashed alike, and the second was
   served the first one's partition (measured: ``save_all`` compiled again after
   ``recompute_all`` saved recompute_all's 104 elements, not its own 192). The mark also
   starts a new region call, so two back-to-back calls of one region are planned apart.
-  The pass removes the marks before the partitioner runs; dead-code elimination keeps
-  them until then (``has_side_effect``). Only ``torch.compile`` gets them: an exported
-  program or a ``make_fx`` graph has no cache to confuse and should not need tracedac to load.
+  ``passes/tag_regions.py`` removes the marks before the partitioner runs; dead-code
+  elimination keeps them until then (``has_side_effect``). Only ``torch.compile`` gets
+  them: an exported program or a ``make_fx`` graph has no cache to confuse and should not
+  need tracedac to load.
 """
 
 from __future__ import annotations
@@ -20,28 +21,12 @@ import types
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch.fx.node import has_side_effect
 
 from .._compat import is_exporting
 from .registry import install_traced, key_for
+from .vocab import ANNOTATION, MARK
 
-__all__ = ["ANNOTATION", "MARK", "traced_region"]
-
-ANNOTATION = "tracedac_region"
-
-
-@torch.library.custom_op("tracedac::region", mutates_args=())
-def _mark(key: str) -> None:
-    """Does nothing: the region's key, written into the traced graph."""
-
-
-@_mark.register_fake
-def _(key):
-    return None
-
-
-MARK = torch.ops.tracedac.region.default
-has_side_effect(MARK)
+__all__ = ["ANNOTATION", "MARK", "traced_region"]  # (the first two defined in vocab.py)
 
 
 def traced_region(fn, args, kwargs, policy, name):

@@ -1,9 +1,10 @@
 """Registering the joint-graph passes, once, the first time dynamo traces a region or a gather.
 
-The passes: ``fuse_gather_casts`` (autocast's downcast of a gathered parameter moved into
-ZeRO-3's gather), ``tag_regions`` (each region's policy), ``prefetch_gathers`` (each unit's
-all-gather started while the unit before it computes), then ``tag_gathers`` (ZeRO-3's
-gathers and what is computed from them alone: recomputed in backward).
+The passes are ``passes.PASSES``, run in that order: ``fuse_gather_casts`` (autocast's
+downcast of a gathered parameter moved into ZeRO-3's gather), ``tag_regions`` (each region's
+policy), ``prefetch_gathers`` (each unit's all-gather started while the unit before it
+computes), then ``tag_gathers`` (ZeRO-3's gathers and what is computed from them alone:
+recomputed in backward).
 
 Nothing is registered at import: eager users never touch torch's compiler configuration.
 The pass is added beside any pass already set (a list for inductor; a chained function for
@@ -25,24 +26,37 @@ import os
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-__all__ = ["TagRegions", "install"]
+from . import passes
+from .vocab import SPECS
+
+__all__ = ["TagRegions", "install", "sources"]
+
+ROOT = os.path.dirname(os.path.abspath(__file__))  # tracedac/compile
+# beside compile/: what the passes decide with
+DEPENDS = ("decisions.py", "planners.py", "policies.py", "graph.py")
+
+
+def sources(root: str | None = None) -> list[str]:
+    """The files whose contents ``TagRegions.uuid`` hashes: every ``.py`` under compile/
+    (``root``, default ``ROOT``), ``passes/`` and ``vocab.py`` included, then ``DEPENDS``."""
+    root = ROOT if root is None else root
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
+        files += [os.path.join(folder, f) for f in sorted(names) if f.endswith(".py")]
+    return files + [os.path.join(os.path.dirname(root), f) for f in DEPENDS]
 
 
 class TagRegions(CustomGraphPass):
-    """Inductor's handle on ``tag_regions``: its uuid is the pass's source and every region key."""
+    """Inductor's handle on the passes: its uuid is the source of every file of ``sources()``
+    (each pass among them) and every region key."""
 
     def __call__(self, graph) -> None:
         _passes(graph.owning_module)
 
     def uuid(self) -> str:
-        from .registry import SPECS
-
         h = hashlib.sha256()
-        here = os.path.dirname(__file__)
-        parent = os.path.dirname(here)
-        files = [os.path.join(here, f) for f in sorted(os.listdir(here)) if f.endswith(".py")]
-        files += [os.path.join(parent, f) for f in ("decisions.py", "planners.py", "policies.py", "graph.py")]
-        for path in files:
+        for path in sources():
             with open(path, "rb") as f:
                 h.update(f.read())
         for key in sorted(SPECS):
@@ -54,14 +68,9 @@ PASS = TagRegions()
 
 
 def _passes(gm):
-    from .gather_cast import fuse_gather_casts
-    from .gather_prefetch import prefetch_gathers
-    from .tag_regions import tag_regions
-    from .zero_tags import tag_gathers
-
     if gm.meta.get(_DONE):  # both hooks run on one graph: AOTAutograd's first, then inductor's
         return gm
-    gm = tag_gathers(prefetch_gathers(tag_regions(fuse_gather_casts(gm))))
+    gm = passes.run(gm)
     gm.meta[_DONE] = True
     return gm
 
@@ -73,17 +82,15 @@ def _aot_pass(gm, joint_inputs):
     return _passes(gm)
 
 
-
-
 def install() -> None:
     """Add the pass to inductor's and AOTAutograd's joint-graph hooks (once; idempotent)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     current = inductor_config.joint_custom_pre_pass
-    passes = list(current) if isinstance(current, (list, tuple)) else ([current] if current else [])
-    if not any(isinstance(p, TagRegions) for p in passes):
-        inductor_config.joint_custom_pre_pass = [*passes, PASS] if passes else PASS
+    hooked = list(current) if isinstance(current, (list, tuple)) else ([current] if current else [])
+    if not any(isinstance(p, TagRegions) for p in hooked):
+        inductor_config.joint_custom_pre_pass = [*hooked, PASS] if hooked else PASS
     user = functorch_config.joint_custom_pass
     if user is None:
         functorch_config.joint_custom_pass = _aot_pass

@@ -2,9 +2,9 @@
 (as JAX's ``name_p``).
 
 Forward: a copy of ``t`` (a custom op cannot return an alias of its input). Backward: the
-gradient, unchanged. The joint-graph pass (``tag_regions``) reads the label onto the node
-that produced ``t`` and removes the op before the partitioner runs, so a compiled graph
-never copies; a graph the pass did not see stays correct.
+gradient, unchanged. The joint-graph pass (``passes/tag_regions.py``) reads the label onto
+the node that produced ``t`` and removes the op before the partitioner runs, so a compiled
+graph never copies; a graph the pass did not see stays correct.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Region specs by key: what a compiled graph's ``tracedac_region`` annotation refers to.
+"""Region specs by key: what a compiled graph's ``tracedac_region`` annotation refers to
+(``vocab.SPECS``, filled here).
 
 A key is ``"<region name>|<policy>"``, the policy as written (``save_matmuls()``) or, for a
 callable, its qualified name and a hash of its code, so equal keys in two processes mean the
@@ -11,10 +12,9 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["SPECS", "describe", "install_traced", "key_for"]
+from .vocab import SPECS
 
-# key -> (policy, region name)
-SPECS: dict[str, tuple] = {}
+__all__ = ["SPECS", "describe", "install_traced", "key_for"]
 
 
 def describe(policy) -> str:
@@ -39,9 +39,9 @@ def key_for(policy, name: str) -> str:
 
         live = held(policy)
         if live is None:
-            from ..errors import CheckpointError
+            from .._compat import trace_time_error
 
-            raise CheckpointError(
+            raise trace_time_error(
                 f"region {name!r} is compiled with a policy made inside the compiled code, which "
                 "dynamo cannot hand to tracedac. Make the policy outside it (policy = tracedac."
                 "policies.save_matmuls() once, then pass policy=policy), or checkpoint the function "
@@ -63,7 +63,8 @@ key_for._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, 
 def install_traced() -> bool:
     """``install.install()`` from traced code (a region's entry, a sharded unit's forward):
     dynamo calls it at trace time and takes the result as a constant (no guard, no graph op).
-    Here, not in ``install.py``, so importing tracedac imports no inductor module."""
+    Here, not in ``install.py``, so importing tracedac imports no inductor module (the one
+    import of a compile/ module made inside a function, for that reason)."""
     from .install import install
 
     install()

@@ -14,11 +14,12 @@ import re
 
 import torch
 
+from .._compat import graph_input_sources
 from ..policies import describe_policy
-from .entry import ANNOTATION
-from .fx_graph import build
-from .names import module_path
-from .registry import SPECS
+from ..report import SavedReport, SavedRow
+from .fx_graph import _int, build
+from .names import input_name, module_path
+from .vocab import DECISION, LABELS, SPECS, region_key
 
 __all__ = ["Partition", "compiled_target", "partition", "report"]
 
@@ -34,13 +35,20 @@ def compiled_target(fn):
 class Partition:
     """The forward and backward graphs of one compiled graph, and what the forward saves."""
 
-    def __init__(self, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule):
+    def __init__(self, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, sources=()):
         self.fw, self.bw = fw, bw
+        self.sources = list(sources)  # dynamo's source of each graph input, by position
         by_name = {n.name: n for n in fw.graph.nodes}
         self.saved = [by_name.get(p.name, p) for p in bw.graph.find_nodes(op="placeholder")
                       if not p.name.startswith("tangents") and isinstance(p.meta.get("val"), torch.Tensor)]
         self.replayed = [n for n in bw.graph.nodes if n.op == "call_function"
                          and n.meta.get("partitioner_tag") == "is_forward"]
+
+    def input_name(self, n) -> str:
+        """What the forward's input ``n`` is: a parameter's or buffer's qualified name, an argument."""
+        idx = getattr(n.meta.get("desc"), "idx", None)
+        source = self.sources[idx] if idx is not None and idx < len(self.sources) else None
+        return input_name(source) if source else "a graph input"
 
     @property
     def saved_bytes(self) -> int:
@@ -57,8 +65,6 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def _nbytes(n) -> int:
-    from .fx_graph import _int
-
     val = n.meta["val"]
     return _int(val.untyped_storage().nbytes()) if n.op == "placeholder" else _int(val.numel()) * val.dtype.itemsize
 
@@ -71,16 +77,22 @@ def partition(fn, *args, **kwargs) -> list[Partition]:
     from torch._inductor.compile_fx import select_decomp_table
 
     made: list[Partition] = []
+    sources: list = []  # of the graph being compiled now
 
     def partition_fn(joint, inputs, **kw):
         fw, bw = min_cut_rematerialization_partition(joint, inputs, compiler="inductor", **kw)
-        made.append(Partition(fw, bw))
+        made.append(Partition(fw, bw, sources))
         return fw, bw
 
     import torch._functorch.config as functorch_config
 
-    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions=select_decomp_table,
-                           partition_fn=partition_fn)
+    aot = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions=select_decomp_table,
+                       partition_fn=partition_fn)
+
+    def backend(gm, example_inputs):
+        sources[:] = graph_input_sources(gm)
+        return aot(gm, example_inputs)
+
     # (a new backend for the same code: dynamo compiles it again, beside the caller's own)
     with functorch_config.patch(unlift_effect_tokens=True), torch.enable_grad():
         out = torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
@@ -90,18 +102,19 @@ def partition(fn, *args, **kwargs) -> list[Partition]:
 
 def report(fn, *args, **kwargs):
     """``SavedReport`` of a compiled callable's partition (``fn`` is the original code)."""
-    from ..inspect import SavedReport, SavedRow
-
     result = SavedReport()
     for part in partition(fn, *args, **kwargs):
         for n in part.saved:
             val = n.meta["val"]
-            custom = n.meta.get("custom")
-            key = custom.get(ANNOTATION) if isinstance(custom, dict) else None
+            key = region_key(n)
             region = SPECS[key][1] if key in SPECS else ""
-            decision = n.meta.get("tracedac_decision")
-            if n.op == "placeholder":
-                kind, op, why = "input", "input", "a graph input backward reads"
+            decision = n.meta.get(DECISION)
+            if n.op == "placeholder" and n.name.startswith("rng_state"):
+                # functionalized randomness: the generator state a random op drew from, so
+                # backward replays its numbers (one per random op the partitioner recomputes)
+                kind, op, why = "rng state", "rng state", "generator state: backward replays a random op's numbers"
+            elif n.op == "placeholder":
+                kind, op, why = "input", "input", f"{part.input_name(n)}: a graph input backward reads"
             else:
                 kind, op = "activation", str(n.target)
                 why = "saved by torch's partitioner"
@@ -112,8 +125,8 @@ def report(fn, *args, **kwargs):
             module = module_path(n)
             found = _FRAME.findall(n.meta.get("stack_trace") or "")
             source = f"{found[-1][0]}:{found[-1][1]}" if found else None
-            result.rows.append(SavedRow(region, kind, op, tuple(val.shape), val.dtype, _nbytes(n), source, module,
-                                        ", ".join(sorted(n.meta.get("tracedac_labels", ()))), why))
+            result.rows.append(SavedRow(region, kind, op, tuple(_int(d) for d in val.shape), val.dtype, _nbytes(n), source, module,
+                                        ", ".join(sorted(n.meta.get(LABELS, ()))), why))
         result.replay_ops += len(part.replayed)
         result.replay_flops += part.replay_flops
         result.replayed_bytes += sum(_nbytes(n) for n in part.replayed if isinstance(n.meta.get("val"), torch.Tensor))

@@ -11,8 +11,16 @@ function in place of torch's, and stays the answer: the model's own
 ``TrainingArguments(gradient_checkpointing=True)``, and the deprecated
 ``gradient_checkpointing_enable`` forwards to) is replaced on the instance by one that does
 the same and puts tracedac back. Options torch's checkpoint takes that would change what is
-run (``use_reentrant=True``, ``context_fn``, ``offload``) are refused with a
-``CheckpointError`` saying what to do; the others have nothing to do under tracedac.
+run (``use_reentrant=True``, a ``context_fn`` that is not torch's selective checkpointing)
+are refused with a ``CheckpointError`` saying what to do; the others have nothing to do
+under tracedac. ``offload=True`` (transformers' ``save_on_cpu`` around torch's checkpoint)
+becomes ``policies.offload_kept(policy)``: what the policy keeps goes to host memory instead
+of staying on the device. What transformers offloads under torch's checkpoint, each layer's
+input, tracedac holds as eager does (region inputs are not offloaded), so under the default
+``recompute_all()``, which keeps nothing computed in a layer, ``offload=True`` moves nothing.
+A ``context_fn`` made by torch's ``create_selective_checkpoint_contexts`` is read as the
+tracedac policy deciding the same (``tracedac.selective``), and checkpoints the layers for
+that call of ``activation_checkpointing_enable`` in place of ``enable``'s default policy.
 
 Regions are named by the layer's qualified name (``model.layers.3``), relative to the model
 given to ``enable``. ``disable(model)`` (or ``tracedac.unwrap(model)``) puts back every flag,
@@ -25,9 +33,12 @@ import types
 
 from torch import nn
 
-from ..checkpoint import checkpoint_call, register_name, unregister_name
+from ..checkpoint import checkpoint_call
+from ..region import register_name, unregister_name
 from ..errors import CheckpointError
-from ..policies import check_policy, recompute_all
+from ..decisions import hold
+from ..policies import check_policy, offload_kept, recompute_all
+from ..selective import from_context_fn, is_noop_context_fn
 
 __all__ = ["disable", "enable"]
 
@@ -52,8 +63,9 @@ def _pretrained(model: nn.Module):
     )
 
 
-def _check_options(kwargs: dict | None, offload: bool) -> None:
-    """Refuse what tracedac would not do as asked; say what to pass instead."""
+def _check_options(kwargs: dict | None):
+    """Refuse what tracedac would not do as asked; say what to pass instead. Returns the
+    policy a ``context_fn`` of torch's selective checkpointing asks for, or None."""
     documented = ("Enable tracedac with tracedac.integrations.hf.enable(model, policy=...) and "
                   "leave the option out of gradient_checkpointing_kwargs (TrainingArguments) or "
                   "activation_checkpointing_kwargs; to train with torch's checkpoint instead, call "
@@ -66,35 +78,35 @@ def _check_options(kwargs: dict | None, offload: bool) -> None:
             f"instead. {documented}"
         )
     context_fn = kwargs.get("context_fn")
-    if context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn":
-        raise CheckpointError(
-            "context_fn (torch's selective checkpointing) has no effect under tracedac: what is "
-            "kept is the policy's choice. Pass the choice as enable(model, policy="
-            f"tracedac.policies.save_ops(...)). {documented}"
-        )
-    if offload:
-        raise CheckpointError(
-            "offload=True moves what torch's checkpoint saves to host memory; tracedac keeps what "
-            "its policy chooses on the device and does not offload. Bound what is kept with "
-            f"enable(model, policy=tracedac.policies.memory_budget(...)). {documented}"
-        )
+    selective = None
+    if not is_noop_context_fn(context_fn):
+        try:
+            selective = from_context_fn(context_fn, "gradient_checkpointing_kwargs")
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"{e} Under Hugging Face, pass the choice as enable(model, policy="
+                f"tracedac.policies.save_ops(...)). {documented}"
+            ) from None
     unknown = sorted(set(kwargs) - _NO_OPS)
     if unknown:
         raise CheckpointError(
             f"activation checkpointing options {unknown} are not torch.utils.checkpoint options "
             f"tracedac knows (it accepts {sorted(_NO_OPS)}). {documented}"
         )
+    return selective
 
 
 class _Checkpointing:
     """tracedac's state on one transformers model: the policy, the checkpoint function every
     layer calls, and what ``enable`` changed (to put back)."""
 
-    def __init__(self, model, root_prefix: str, policy):
+    def __init__(self, model, root_prefix: str, policy, explicit: bool = False):
         self.model = model
         self.prefix = root_prefix  # the transformers model's name in what enable() was given
         self.name = root_prefix or type(model).__name__
-        self.policy = policy
+        self.policy = policy  # what the layers run under now
+        self.base = policy  # enable()'s: what a switch-on without a selective context_fn runs under
+        self.explicit = explicit  # enable() was given a policy (a context_fn too is then ambiguous)
         self.layers = []  # modules with a gradient_checkpointing flag: (module, flag, function)
         for m in model.modules():
             if hasattr(m, "gradient_checkpointing"):
@@ -102,6 +114,8 @@ class _Checkpointing:
                                     m.__dict__.get("_gradient_checkpointing_func", _ABSENT)))
         self.hooks_before = {k: model.__dict__.get(k, _ABSENT) for k in ("_require_grads_hooks", "_require_grads_hook")}
         self.hooks_added = []  # input-embedding hooks transformers added on our calls
+
+    tracedac_regions = True  # what tracedac.is_checkpointed looks for in a layer
 
     def __call__(self, function, *args, **kwargs):
         """What each layer calls in place of ``torch.utils.checkpoint.checkpoint``."""
@@ -111,8 +125,19 @@ class _Checkpointing:
         return f"tracedac.integrations.hf(policy={self.policy!r})"
 
     def switch_on(self, kwargs=None, every_n_layers: int = 1, offload: bool = False) -> None:
-        """transformers' own activation_checkpointing_enable, then tracedac's function in each layer."""
-        _check_options(kwargs, offload)
+        """transformers' own activation_checkpointing_enable, then tracedac's function in each
+        layer; with ``offload``, what the policy keeps goes to host memory (``offload_kept``)."""
+        selective = _check_options(kwargs)
+        if selective is not None and self.explicit:
+            raise CheckpointError(
+                f"tracedac.integrations.hf.enable(model, policy={self.base!r}) was given a policy, and "
+                f"gradient_checkpointing_kwargs a context_fn (torch's selective checkpointing, read as "
+                f"{selective!r}); each says what to keep. Leave context_fn out, or call "
+                "tracedac.integrations.hf.enable(model) without a policy."
+            )
+        self.policy = self.base if selective is None else selective
+        if offload:
+            self.policy = offload_kept(self.policy)  # (held by id from birth: a Held policy)
         model = self.model
         before = list(model.__dict__.get("_require_grads_hooks", ()))
         type(model).activation_checkpointing_enable(model, None, every_n_layers=every_n_layers)
@@ -160,12 +185,14 @@ def enable(model: nn.Module, policy=None, *, every_n_layers: int = 1) -> nn.Modu
     ``Trainer`` with ``gradient_checkpointing=True`` keeps tracedac). Calling ``enable`` again
     changes the policy. Returns ``model``.
     """
+    explicit = policy is not None
     policy = recompute_all() if policy is None else policy
     check_policy(policy)
+    hold(policy)  # found by id when a compiled layer's region names it
     target, prefix = _pretrained(model)
     state = target.__dict__.get("_tracedac")
     if state is None:
-        state = _Checkpointing(target, prefix, policy)
+        state = _Checkpointing(target, prefix, policy, explicit)
         target.__dict__["_tracedac"] = state
         target.__dict__["activation_checkpointing_enable"] = types.MethodType(_activation_checkpointing_enable, target)
     elif not isinstance(state, _Checkpointing):
@@ -173,7 +200,8 @@ def enable(model: nn.Module, policy=None, *, every_n_layers: int = 1) -> nn.Modu
             f"{type(target).__name__} is already checkpointed by tracedac as a whole ({state!r}); "
             "checkpointing its layers as well would nest regions. tracedac.unwrap(model) first."
         )
-    state.policy = policy
+    state.policy = state.base = policy
+    state.explicit = explicit
     state.switch_on(every_n_layers=every_n_layers)
     return model
 

@@ -5,11 +5,12 @@ its own name; a unit's forward gathers its parameters just in time and releases 
 that backward turns into a second gather. See docs/design.md, "ZeRO-3".
 """
 
-from . import ops as _ops  # registers tracedac::all_gather, reduce_scatter, release
+from . import ops as _ops  # registers the tracedac:: ops (and, through gathered.py, regions' handles on gathered buffers)
 from .errors import ZeroError
 from .grad import clip_grad_norm_
 from .full import full_parameters
-from .shard import MixedPrecision, ZeroModule, shard
+from .module import ZeroModule
+from .shard import MixedPrecision, shard
 from .state_dict import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 
 __all__ = [

@@ -17,7 +17,7 @@ A decision changes no value: a cast moved before the all-gather gives the bits t
 it gave. Gradients then arrive in the travel dtype (several uses of one parameter add up in
 bf16, as with ``param_dtype=torch.bfloat16``) and are reduced in ``reduce_dtype``. A forward
 already recorded keeps its dtype for its backward (``Gathered`` regathers in the dtype it
-gathered). Compiled units are not observed: there the graph pass ``compile/gather_cast.py``
+gathered). Compiled units are not observed: there the graph pass ``compile/passes/gather_cast.py``
 makes the same decision per group from the compiled graph.
 """
 
@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..decisions import LOW_DTYPES, cast_dtype
+from .group import collective_device
 
 __all__ = ["Auto", "Observer"]
 
@@ -134,8 +135,6 @@ class Auto:
         notes = torch.tensor(self.notes, dtype=torch.int64)
         world = dist.get_world_size(self.process_group)
         if world > 1:
-            from .ops import collective_device
-
             device = collective_device(dist.get_backend(self.process_group), self.groups[0].local.device)
             notes = notes.to(device)
             dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.process_group)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .errors import ZeroError
-from .shard import sharded
+from .module import sharded
 from .state_dict import _full_parameters
 
 __all__ = ["full_parameters"]

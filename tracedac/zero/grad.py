@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .shard import sharded
+from .module import sharded
 
 __all__ = ["clip_grad_norm_"]
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ZeroError
-from .shard import sharded
+from .module import sharded
 
 __all__ = ["full_state_dict", "load_checkpoint", "load_full_state_dict", "save_checkpoint"]
 

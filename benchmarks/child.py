@@ -1,0 +1,139 @@
+"""What the benchmarks share: progress lines, a seeded step, measuring in a child interpreter,
+timing variants in turns, and printing tables and targets."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import TextIO
+
+import torch
+
+__all__ = ["Progress", "clear_grads", "conditions_line", "mark", "mib", "run_child", "seeded_step", "table",
+           "goal_line", "target", "target_lines", "time_in_turns"]
+
+# The checkout's root, where ``benchmarks`` is importable from (it is not installed): a child
+# interpreter runs there.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Progress:
+    """One line per event on ``stream``, with the time since the run began."""
+
+    def __init__(self, stream: TextIO | None):
+        self.stream = stream
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.stream is not None:
+            print(f"[{time.perf_counter() - self.start:6.1f}s] {message}", file=self.stream, flush=True)
+
+
+def clear_grads(model: torch.nn.Module) -> None:
+    """Drop every parameter's gradient (``None``, not zeros: no bytes stay allocated)."""
+    for p in model.parameters():
+        p.grad = None
+
+
+def seeded_step(model: torch.nn.Module, batch, seed: int) -> None:
+    """Forward and backward of ``model(*batch)`` (which returns the loss) after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    model(*batch).backward()
+
+
+def run_child(source: str, spec: dict, say, what: str, retry: str) -> dict:
+    """Run ``source`` (which reads ``spec`` from ``sys.argv[1]`` and prints JSON) in a fresh
+    interpreter where every allocation goes through glibc (``PYTHONMALLOC=malloc``), so the
+    allocator probe counts Python objects too, and glibc's per-thread cache of freed small
+    chunks is off (``tcache_count=0``): ``mallinfo2`` counts a chunk parked there as in use,
+    which made the same forward read tens of KiB apart from run to run. Lines it writes to stderr starting with ``[``
+    are progress, passed to ``say``; a failure raises with the rest of its output, ``what``
+    it was doing and the command (``retry``) that checks the set-up. It runs in the checkout's
+    root (``ROOT``), so that it imports ``benchmarks`` whatever the caller's directory."""
+    tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.tcache_count=0") if t)
+    env = dict(os.environ, PYTHONMALLOC="malloc", GLIBC_TUNABLES=tunables)
+    proc = subprocess.Popen([sys.executable, "-c", source, json.dumps(spec)], env=env, text=True, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    errors = []
+    for line in proc.stderr:  # progress lines; anything else is kept for an error message
+        line = line.rstrip("\n")
+        if line.startswith("["):
+            say(line)
+        else:
+            errors.append(line)
+    out = proc.stdout.read()
+    if proc.wait() != 0:
+        tail = "\n".join(errors[-20:])
+        raise RuntimeError(
+            f"the child interpreter that {what} exited with status {proc.returncode}; its last "
+            f"output:\n{tail}\nRun `{retry}` to see whether the set-up itself works."
+        )
+    return json.loads(out)
+
+
+def time_in_turns(keys, steps: int, timed_step, say, what: str = "timing") -> dict[str, list]:
+    """Timings of ``steps`` steps of each key, taking turns: each round starts one key later,
+    so a drift of the machine (a neighbour's load, frequency) falls on every key alike.
+    ``timed_step(key, rep)`` runs one step and returns its seconds (or a tuple of them)."""
+    times: dict[str, list] = {k: [] for k in keys}
+    order = list(keys)
+    for rep in range(steps):
+        for key in order[rep % len(order):] + order[:rep % len(order)]:
+            gc.collect()
+            times[key].append(timed_step(key, rep))
+        say(f"{what}: step {rep + 1}/{steps} done for {len(order)} variants")
+    return times
+
+
+def target(name: str, value: float | None, limit: float, unit: str = "x") -> dict:
+    """A target met when ``value <= limit``; undecided (``passed`` None) without a finite value."""
+    passed = None if value is None or not math.isfinite(value) else value <= limit
+    return {"name": name, "value": value, "limit": limit, "unit": unit, "passed": passed}
+
+
+def mib(n: float) -> str:
+    """Bytes as MiB, two decimals."""
+    return f"{n / 2**20:.2f} MiB"
+
+
+def table(header: list[str], cells: list[list[str]]) -> list[str]:
+    """``cells`` under ``header`` and a rule, the first column left-aligned, the others right."""
+    widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
+
+    def line(c: list[str]) -> str:
+        return "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths)))
+
+    return [line(header), line(["-" * w for w in widths]), *(line(c) for c in cells)]
+
+
+# Goals, not tests: a figure of one run on one machine (a loaded 2-core CPU misses what a
+# quiet one meets). Printed as met/missed so that no line reads as a broken install.
+GOALS = "goals (what this run reached against the project's performance goals; a missed goal is a figure, not an error):"
+
+
+def mark(passed: bool | None) -> str:
+    """``met``, ``missed``, or ``n/a`` for a goal this run could not judge; all as wide."""
+    return "n/a   " if passed is None else ("met   " if passed else "missed")
+
+
+def goal_line(t: dict) -> str:
+    """One goal: its verdict, name, value and limit."""
+    value = "-" if t["value"] is None else f"{t['value']:.3f}{t['unit']}"
+    return f"  {mark(t['passed'])}  {t['name']}: {value} (goal <= {t['limit']:.2f}{t['unit']})"
+
+
+def conditions_line(result: dict) -> str:
+    """The run's wall time and the load on the machine before it, after a blank line."""
+    return (f"\nwall time {result['wall_s']:.1f}s; load average {result['load_average_before']:.1f} "
+            f"on {result['cpus']} CPUs before the run (other processes skew timings)")
+
+
+def target_lines(result: dict) -> list[str]:
+    """The goals of a benchmark's result under their heading, one line each, and the run's
+    conditions."""
+    return [GOALS, *(goal_line(t) for t in result["targets"]), conditions_line(result)]

@@ -1,0 +1,130 @@
+"""``python -m benchmarks --profile``: where a tracedac step's time goes, by torch.profiler.
+
+The bench's MoE model (``model.GPT``; with ``--llama``, ``llama_steps``' Llama-style decoder)
+with every block under tracedac ``recompute_all``
+(or the plain model, for the baseline), one untimed step, then one profiled step split in
+its two halves: the *recorded forward* and the *replaying backward*. For each half:
+
+- wall time of the half (with the device synchronized on both sides);
+- **op time**: the CPU time inside aten ops' dispatch (the profiler's self CPU time of
+  every ``aten::`` event, summed): what the eager kernels and their dispatch cost on the
+  host. On CPU that includes the kernels themselves; on CUDA it is launch cost, and
+  ``device_s`` (the kernels' own time on the device) is listed beside it;
+- **in the dispatch mode**: the self time of the ``PythonDispatchMode`` events, the
+  recorder's Python around each op (its ``aten::`` events then appear twice: the call
+  into the mode and the mode's own call of the kernel);
+- **replay**: the total time of the ``tracedac::replay`` events (each replay pass, its
+  ops included; ``replay.run_pass`` marks them while a profiler runs);
+- **outside**: wall minus op time and mode time: Python (the model's, autograd's,
+  replay's own bookkeeping) and gaps;
+- the ops with most self CPU time, with their counts.
+
+The same command runs on a GPU machine (``--device cuda``): that breakdown is the one
+docs/benchmarks.md still lacks.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import tracedac
+
+from .llama import DecoderLayer, Llama, LlamaConfig
+from .model import GPT, Block, make_batch
+
+__all__ = ["run", "format_report"]
+
+TOP = 12
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _half(events, wall_s: float, cuda: bool) -> dict:
+    ops = [e for e in events if e.key.startswith("aten::")]
+    self_cpu = sum(e.self_cpu_time_total for e in ops) / 1e6
+    # A Python dispatch mode's handler runs in an event of its own (the recorder's Python)
+    mode = [e for e in events if e.key == "PythonDispatchMode"]
+    mode_s = sum(e.self_cpu_time_total for e in mode) / 1e6
+    replay = [e for e in events if e.key == "tracedac::replay"]
+    top = sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP]
+    half = {
+        "wall_s": wall_s,
+        "op_s": self_cpu,
+        "mode_s": mode_s,
+        "mode_calls": sum(e.count for e in mode),
+        "replay_s": sum(e.cpu_time_total for e in replay) / 1e6,
+        "replay_passes": sum(e.count for e in replay),
+        "outside_ops_s": wall_s - self_cpu - mode_s,
+        "op_calls": sum(e.count for e in ops),
+        "top": [{"op": e.key, "calls": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in top],
+    }
+    if cuda:
+        half["device_s"] = sum(getattr(e, "self_device_time_total", 0) for e in ops) / 1e6
+    return half
+
+
+def _profiled(fn, device):
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _sync(device)
+        start = time.perf_counter()
+        out = fn()
+        _sync(device)
+        wall = time.perf_counter() - start
+    return out, _half(prof.key_averages(), wall, device.type == "cuda")
+
+
+def run(cfg, device: str = "cpu", compiled_replay: bool = False) -> dict:
+    """Profile the MoE model (``cfg`` a ``model.Config``) or the Llama-style decoder (a
+    ``llama.LlamaConfig``: bf16 on CUDA, as ``--llama`` runs it)."""
+    dev = torch.device(device)
+    if isinstance(cfg, LlamaConfig):
+        base, unit = Llama.seeded(cfg).to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32), DecoderLayer
+    else:
+        base, unit = GPT.seeded(cfg).to(dev), Block
+    batch = tuple(t.to(dev) for t in make_batch(cfg))
+    before = tracedac.compiled_replay(compiled_replay)
+    result = {"config": asdict(cfg),
+              "device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "compiled_replay": compiled_replay}
+    try:
+        for key, model in (("plain", copy.deepcopy(base)), ("tracedac", tracedac.wrap(copy.deepcopy(base), unit))):
+            for _ in range(2):  # warm-up (a second for compiled replay: it compiles on the second sight)
+                torch.manual_seed(cfg.seed)
+                model(*batch).backward()
+            torch.manual_seed(cfg.seed)
+            loss, forward = _profiled(lambda: model(*batch), dev)
+            _, backward = _profiled(loss.backward, dev)
+            result[key] = {"forward": forward, "backward": backward}
+    finally:
+        tracedac.compiled_replay(before)
+    return result
+
+
+def format_report(r: dict) -> str:
+    lines = [f"profile on {r['device']} ({r['threads']} threads, torch {r['torch']}), "
+             f"compiled replay {'on' if r['compiled_replay'] else 'off'}; model {r['config']}", ""]
+    lines.append("| run | half | wall ms | in aten ops ms | in dispatch mode ms (calls) | replay passes ms (n) "
+                 "| outside ms | aten events |" + (" device ms |" if "device_s" in r["plain"]["forward"] else ""))
+    lines.append("|---|---|---|---|---|---|---|---|" + ("---|" if "device_s" in r["plain"]["forward"] else ""))
+    for key in ("plain", "tracedac"):
+        for half in ("forward", "backward"):
+            h = r[key][half]
+            row = (f"| {key} | {half} | {h['wall_s'] * 1e3:.1f} | {h['op_s'] * 1e3:.1f} | "
+                   f"{h['mode_s'] * 1e3:.1f} ({h['mode_calls']}) | {h['replay_s'] * 1e3:.1f} ({h['replay_passes']}) | "
+                   f"{h['outside_ops_s'] * 1e3:.1f} | {h['op_calls']} |")
+            if "device_s" in h:
+                row += f" {h['device_s'] * 1e3:.1f} |"
+            lines.append(row)
+    for half in ("forward", "backward"):
+        lines += ["", f"tracedac {half}: ops with most self CPU time", "| op | calls | self CPU ms |", "|---|---|---|"]
+        lines += [f"| {t['op']} | {t['calls']} | {t['self_cpu_s'] * 1e3:.2f} |" for t in r["tracedac"][half]["top"]]
+    return "\n".join(lines)

@@ -1,6 +1,0 @@
-"""The tiny transformers models of the tests: the benchmark's builders (tracedac.bench.hf) at
-their smallest, hidden 32 and 2 layers, with a batch and a loss for each."""
-
-from tracedac.bench.hf import ARCHITECTURES, batch, build, lm_loss as loss
-
-__all__ = ["ARCHITECTURES", "batch", "build", "loss"]

@@ -1,0 +1,202 @@
+"""Host copies: what a region offloads, copied to host memory in the forward and brought back
+in backward.
+
+A policy that answers ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` for a node (``policies.offload_ops``,
+``offload_names``, ``offload_kept``) has the node's result copied to host memory instead of
+held on the device. A ``HostCopy`` is one state of one storage group, copied whole (as a kept
+tensor holds its whole storage); every handle autograd saves on that state shares it, and so
+does replay, which starts from it (``replay_plan``'s ``"host"`` start) where it would
+otherwise rerun the op.
+
+CUDA: the copy goes into pinned memory on a side stream per device (``_side_stream``), after
+that stream waits for the current one (the op that made the value); an event marks its end.
+The source's block is marked used by the side stream (``record_stream``), so the caching
+allocator does not hand it out again before the copy has read it, whoever frees it. A write
+the region records into a storage whose copy may still be running waits for it first
+(``before_write``, called by the recorder), so the copy holds the state it is labelled with.
+In backward, ``fetch`` makes the current stream wait for the copy's event and copies back
+with ``non_blocking=True`` on the current stream (pinned memory: asynchronous, and ordered
+before the backward ops that read it). Nothing is prefetched yet: each value comes back when
+autograd unpacks it (or when replay reads it).
+
+CPU (and any device that is not CUDA): the copy is a plain synchronous copy to a separate
+host tensor; on the CPU host and device are one, so ``fetch`` hands out a view of the copy
+itself. What offload buys there is that the program's own tensor is no longer held.
+
+Writes after the forward. A copy is immune to later writes, but a kept tensor is not, and
+tracedac treats both alike: a ``token`` (a tensor with no storage sharing the saved tensor's
+version counter) shows a write the region did not record, and then the copy is not used
+(the value is rebuilt from the graph if what it was computed from was kept, else refused,
+naming the op, exactly as for a kept tensor). On CUDA this also keeps a copy that a late
+write raced with from ever being read.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from .decisions import is_offload
+
+__all__ = ["HostCopy", "host_copy", "settle"]
+
+_streams: dict = {}
+_lock = threading.Lock()
+
+
+def _side_stream(device: torch.device):
+    """The stream device-to-host copies run on, one per CUDA device."""
+    with _lock:
+        s = _streams.get(device)
+        if s is None:
+            s = _streams[device] = torch.cuda.Stream(device)
+        return s
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``t``'s storage."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class HostCopy:
+    """One state (``state``) of a storage group, copied to host memory during the forward."""
+
+    __slots__ = ("host", "device", "state", "event", "token", "version", "ref")
+
+    def __init__(self, t: torch.Tensor, state: int):
+        self.device = t.device
+        self.state = state
+        self.event = None  # CUDA: recorded on the side stream when the copy is done
+        self.token = None  # a storage-less tensor sharing the saved tensor's version counter
+        self.version = None  # the token's version when the region ended (None: still recording)
+        self.ref = weakref.ref(t)  # the program's tensor, to make the token from later (see watch)
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            src = _flat(t)
+            if t.device.type == "cuda":
+                main = torch.cuda.current_stream(t.device)
+                side = _side_stream(t.device)
+                side.wait_stream(main)  # the op that made the value has run
+                host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+                with torch.cuda.stream(side):
+                    host.copy_(src, non_blocking=True)
+                    self.event = torch.cuda.Event()
+                    self.event.record(side)
+                src.record_stream(side)  # not reused before the copy has read it
+            elif t.device.type == "cpu":
+                host = src.clone()
+            else:
+                host = src.to("cpu")
+        self.host = host
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel()
+
+    # -- versions --
+    def watch(self, t: torch.Tensor) -> None:
+        """Follow ``t``'s version counter (called above autograd: a ``detach()`` there shares
+        it; below, in the recorder, it would not)."""
+        if self.token is not None:
+            return
+        with torch._C._DisableTorchDispatch():
+            token = t.detach()
+            token.data = torch.empty(0, dtype=t.dtype, device=t.device)  # keeps the counter, not the storage
+        self.token = token
+        self.ref = None
+
+    def settle(self) -> None:
+        """The region ended: from now on a version that moves is a write it did not record.
+        Without a token, the tensor made in the recorder is followed if still alive; if it
+        is not, nothing can write that storage any more."""
+        if self.token is None and self.ref is not None:
+            t = self.ref()
+            if t is not None:
+                self.watch(t)
+        self.ref = None
+        self.version = self.token._version if self.token is not None else None
+
+    @property
+    def unchanged(self) -> bool:
+        """No write the region did not record since the copy (always, while it records)."""
+        return self.version is None or self.token._version == self.version
+
+    def versions(self) -> tuple[int, int]:
+        """(version now, version when the region ended), for messages."""
+        return self.token._version, self.version
+
+    def serves(self, meta) -> bool:
+        """Whether this copy is the value of a handle saved as ``meta``."""
+        return self.state == meta.state and self.unchanged
+
+    # -- CUDA ordering --
+    def before_write(self) -> None:
+        """A write into the copied storage is about to run: on CUDA it waits for the copy."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    # -- back to the device --
+    def source(self) -> torch.Tensor:
+        """A uint8 tensor on the device holding the copied bytes (on the CPU: the copy itself)."""
+        if self.device.type == "cpu":
+            return self.host
+        with torch.no_grad():
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).wait_event(self.event)
+                out = torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device)
+                return out.copy_(self.host, non_blocking=True)
+            return self.host.to(self.device)
+
+    def fetch(self, meta) -> torch.Tensor:
+        """The saved tensor (laid out as ``meta``) back on its device."""
+        flat = self.source()
+        with torch.no_grad():
+            return torch.empty(0, dtype=meta.dtype, device=self.device).set_(
+                flat.untyped_storage(), meta.offset, meta.size, meta.stride)
+
+    def __repr__(self) -> str:
+        return f"HostCopy({self.nbytes} B of {self.device}, state {self.state})"
+
+
+def host_copy(group, t: torch.Tensor) -> HostCopy:
+    """The copy of ``group``'s storage in host memory in its current state (``t`` is on it),
+    made now unless there is one: the handles autograd saves on that state share it, and
+    replay starts from it instead of rerunning the op (``replay_plan``)."""
+    state = len(group.mutations)
+    h = group.host
+    if h is None or h.state != state:
+        h = group.host = HostCopy(t, state)
+    return h
+
+
+def settle(groups, kept: list) -> list:
+    """At a region's end: move to host what the policy offloads but the region held on the
+    device (a result kept before ``tracedac.name`` labelled it for ``offload_names``, or what a
+    plan made at the region's end keeps under ``offload_kept``); let go of the copies that are
+    not of the state a handle saved (an op that wrote its own saved input without bumping the
+    version counter: the handle wants the state after the write, which replay rebuilds); then
+    start watching for writes. Returns the handles still holding something (of ``kept``)."""
+    for g in groups:
+        if g.held is not None and g.node is not None and is_offload(g.node.decision):
+            host_copy(g, g.held).watch(g.held)
+            g.held = None
+    for slot in kept:
+        if slot.exact:
+            continue
+        g = groups[slot.meta.group]
+        if slot.tensor is not None and is_offload(g.node.decision):
+            if slot.changed or slot.meta.state != len(g.mutations):
+                slot.release()  # modified since it was saved: replayed, as a kept one would be
+            else:
+                slot.offload(host_copy(g, slot.tensor))
+        elif slot.host is not None and slot.host.state != slot.meta.state:
+            slot.release()
+    kept = [s for s in kept if s.tensor is not None or s.host is not None]
+    for g in groups:
+        if g.host is not None:
+            g.host.settle()
+    for slot in kept:
+        if slot.host is not None:
+            slot.host.settle()
+    return kept

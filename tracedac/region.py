@@ -1,0 +1,425 @@
+"""The region runtime: one call of a checkpointed callable, recorded, packed and planned.
+
+A region is one call of a checkpointed function or module. Entering it pushes a
+``TracerMode`` and a ``saved_tensors_hooks`` pair; autograd's saved tensors become handles
+(``replay.Slot``) on the recorded graph. Leaving it plans what backward will replay and
+drops every reference the plan does not use, so the region holds no more than it keeps.
+The public ways to make one (``checkpoint``, ``checkpoint_call``, ``wrap``) are in
+``checkpoint.py``; ``tracedac.zero`` and the integrations meet regions here.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+
+from .compile import traced_region
+from .decisions import is_offload, is_save, resolve
+from .graph import RegionGraph
+from .plan_cache import Planning, computation, plan_key
+from .planners import planner_of
+from .replay import Slot
+from .replay_plan import plan
+from .location import track_modules
+from .offload import host_copy, settle
+from .trace import TracerMode
+
+__all__ = ["REBUILDERS", "Region", "current_region", "regions", "register_name", "reporting", "run_region",
+           "tracing", "unregister_name"]
+
+_local = threading.local()
+# Modes under which a region is being traced, not run: its ops are marked, not recorded.
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
+
+
+def _stack() -> list:
+    stack = getattr(_local, "regions", None)
+    if stack is None:
+        stack = _local.regions = []
+    return stack
+
+
+_UNUSED = (None,)
+
+
+def _unpack(handle):
+    return handle.unpack()
+
+
+# Owners of tensors from outside any region that they can rebuild on request: each has
+# ``owns(t) -> bool`` and ``handle(t)`` (whose ``unpack()`` returns a tensor on an equal
+# storage). A region holds such a handle instead of the tensor, so reading it does not pin
+# it. tracedac.zero adds one: a gathered parameter is gathered again in backward.
+REBUILDERS: list = []
+
+
+def _owner(t: torch.Tensor):
+    for r in REBUILDERS:
+        if r.owns(t):
+            return r
+    return None
+
+
+class Region:
+    """One call of a checkpointed callable: records it, packs what autograd saves, plans replay."""
+
+    def __init__(self, policy, name: str, *, module=None, module_names=None, report=False, args=(), kwargs=None,
+                 code=None, prefix: str = ""):
+        self.constant = getattr(policy, "constant", None)  # a policy that never looks at the node
+        self.graph = RegionGraph(name, policy)
+        self.module = module
+        self.prefix = prefix  # "blocks.3." when the region is named by its module's qualified name
+        reporting = getattr(_local, "reporting", None)
+        self.report = report or reporting is not None
+        # module paths cost two hooks per module call: only for policies and reports that read them
+        self.tracks_modules = self.report or self.constant is None
+        if callable(module_names):  # a table built on demand
+            module_names = module_names() if self.tracks_modules else None
+        self.module_names = module_names if module_names is not None else {}
+        self.handles = [] if self.report else None  # every handle packed, for saved_report
+        self.kept: list = []  # handles holding their tensor (or its host copy), until the region ends
+        self.raw_held: list = []  # (group, the program's tensor) held until the region ends
+        if reporting is not None:
+            reporting.append(self)
+        self.parent: Region | None = None
+        self.owner = None  # the module whose forward this region is, if any
+        # weak references to the call's tensor arguments, to name them in messages
+        self.arg_refs = _arg_refs(enumerate(args), "argument {}")
+        if kwargs:
+            self.arg_refs += _arg_refs(kwargs.items(), "argument {!r}")
+        # A whole-graph planner decides from a plan cached for this code and these inputs
+        # (checked against the structure as it records), or plans when the region ends.
+        planner = planner_of(policy)
+        self.planning = None
+        self.timing = False
+        if planner is not None:
+            self.planning = Planning(planner, None if self.report else plan_key(policy, code, module, args, kwargs),
+                                     offload=getattr(policy, "offloads_kept", False))
+            self.timing = getattr(planner, "cost", None) == "time"
+        self.tracer = TracerMode(self.graph, self)
+        # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
+        # so nothing but the handles keeps the graph alive.
+        region = weakref.ref(self)
+        if self.report:
+            pack = lambda t: region().pack(t)  # noqa: E731
+        else:
+            pack = lambda t: region()._pack(t)  # noqa: E731
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+
+    @property
+    def policy(self):
+        return self.graph.policy  # held once, by the graph (reports and replay read it there)
+
+    # -- recording --
+    def decide(self, node) -> bool:
+        """Decide ``node`` (``node.decision``); whether to hold its result until the region ends."""
+        d = resolve(self.policy, node, self.constant)
+        if self.planning is not None:
+            return self.planning.decide(node, d)
+        node.decision = d
+        return is_save(d) or is_offload(d)
+
+    def hold(self, group, tensor) -> None:
+        """Keep ``tensor`` (the program's own) for ``group`` until ``alias`` replaces it; or,
+        for a result the policy offloads, copy it to host memory now (``offload``)."""
+        if is_offload(group.node.decision):
+            host_copy(group, tensor)
+            return
+        if self.planning is not None and not self.planning.keeps(group):
+            return  # a planned op's result the plan does not keep
+        group.held = tensor
+        self.raw_held.append((group, tensor))
+
+    def alias(self, group, t: torch.Tensor) -> torch.Tensor:
+        """A detached alias of ``t`` sharing its version counter, also held for ``group``
+        in place of the program's tensor (which would close a reference cycle through the
+        grad_fn of the tensor autograd is saving)."""
+        with torch._C._DisableTorchDispatch():  # above autograd: detach shares the version counter
+            a = t.detach()
+        if group.held is t:
+            group.held = a
+        return a
+
+    def pack(self, t: torch.Tensor):
+        handle = self._pack(t)
+        if self.handles is not None:
+            self.handles.append(handle)
+        return handle
+
+    def _pack(self, t: torch.Tensor):
+        # Autograd saves an op's inputs before the op reaches the tracer: an input seen for
+        # the first time has no group yet.
+        meta = self.tracer._meta(t)  # usually cached: an argument or result of the op just recorded
+        g = self.graph.groups[meta.group]
+        if g.creator is None and not g.mutations:
+            if (t is not g.external or (self.parent is not None and self.parent.can_rebuild(t))
+                    or (REBUILDERS and _owner(t) is not None)):
+                # A view made in the region of an input (an expert's slice of a weight) is
+                # rebuilt from the input's storage rather than pinned with its autograd node;
+                # an input an enclosing region computed (or a REBUILDERS owner can rebuild),
+                # through that one's handle.
+                return self.tracer.packed(Slot(self.graph, meta), t)
+            # An input as it came in: kept as eager keeps it. If the region writes it later,
+            # region exit plans its replay from the copy taken before the write.
+            slot = Slot(self.graph, meta, t, exact=True)
+        elif is_offload(g.node.decision):
+            slot = Slot(self.graph, meta, host=host_copy(g, t))
+            slot.host.watch(t)  # up here a detach() shares t's version counter
+        elif is_save(g.node.decision) if self.planning is None else self.planning.keeps(g):
+            # detached: the saved output's grad_fn holds this handle; no reference cycle
+            slot = Slot(self.graph, meta, self.alias(g, t))
+            if g.held is None:
+                g.held = slot.tensor  # replay of what reads it starts from it
+        else:
+            return self.tracer.packed(Slot(self.graph, meta), t)
+        self.kept.append(slot)
+        return self.tracer.packed(slot, t)
+
+    def can_rebuild(self, t: torch.Tensor) -> bool:
+        """Whether this region (or one around it) computed ``t`` and could replay it."""
+        if self.tracer is None:
+            return False
+        g = self.tracer.group_of(t)
+        if g is None:
+            return False
+        if g.creator is not None or g.mutations:
+            return True
+        return self.parent is not None and self.parent.can_rebuild(t)
+
+    # -- entering and leaving --
+    def __enter__(self):
+        stack = _stack()
+        self.parent = stack[-1] if stack else None
+        stack.append(self)
+        if self.tracks_modules:
+            track_modules(True)
+        self.tracer.__enter__()
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self._hooks.__exit__(exc_type, exc, tb)
+            self.tracer.__exit__(exc_type, exc, tb)
+        finally:
+            if self.tracks_modules:
+                track_modules(False)
+            stack = _stack()
+            if stack and stack[-1] is self:
+                stack.pop()
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            self.graph.recording = False  # (a region that raised: nothing is live any more)
+            self.tracer.close()
+            self.tracer = self._hooks = None
+        return False
+
+    def _finish(self) -> None:
+        """Plan replay for every handle, then let go of everything the plan does not use."""
+        graph = self.graph
+        self.tracer.settle_packed()
+        for g, t in self.raw_held:
+            if g.held is t:
+                self.alias(g, t)
+        self.raw_held = []
+        if self.planning is not None:
+            self.planning.finish(self)  # decide what was left undecided, let go of the rest
+        self.kept = settle(self.graph.groups, self.kept)  # what is offloaded leaves the device
+        module = weakref.ref(self.module) if self.module is not None else None
+        graph.namer = functools.partial(_describe, module, self.arg_refs, self.prefix)
+        # From here a version counter that moves means a change the recorder did not see.
+        graph.recording = False
+        graph.plan = None  # a plan made while recording (autograd.grad in the region) may use what goes now
+        for g in graph.groups:
+            live = g.held if g.held is not None else g.external
+            if live is not None:
+                g.version = live._version
+        self._hand_inputs_to_parent()
+        # What replay must be able to build: every handle not kept, and every kept one the
+        # region itself modified after saving it.
+        for slot in self.kept:
+            if slot.changed:
+                graph.add_slot(slot)
+        kept_groups = {slot.meta.group for slot in self.kept}
+        self.kept = []
+        p = plan(graph, [(s.meta.group, s.meta.state) for s in graph.slots()])  # not kept: memory
+        self._release(p, kept_groups)
+
+    def _hand_inputs_to_parent(self) -> None:
+        """An input of a nested region that the enclosing region computed is held as the
+        enclosing region's handle, so it is replayed rather than pinned; an input a
+        ``REBUILDERS`` owner can rebuild (a gathered parameter), as that owner's handle."""
+        parent = self.parent
+        if parent is not None and parent.tracer is None:
+            parent = None
+        if parent is None and not REBUILDERS:
+            return
+        for g in self.graph.groups:
+            if g.external is None or g.mutations:
+                continue
+            if parent is not None and parent.can_rebuild(g.external):
+                g.outer, g.external = parent.pack(g.external), None
+            elif REBUILDERS:
+                owner = _owner(g.external)
+                if owner is not None:  # a handle no plan uses is dropped by _release
+                    g.outer, g.external = owner.handle(g.external), None
+
+    def _release(self, p, kept_groups: set) -> None:
+        """Drop every source, generator state and record the plan ``p`` does not use."""
+        graph = self.graph
+        for g in graph.groups:
+            kind = p.starts.get(g.id, _UNUSED)[0]
+            if kind != "external":
+                g.external = None
+            if kind != "snapshot":
+                g.snapshot = None
+            if kind != "held":
+                g.held = None
+            if kind != "outer":
+                g.outer = None
+            if kind != "host":
+                g.host = None  # (handles that share it keep it)
+        needed = set(p.nodes)
+        for node in graph.nodes:
+            if node.index not in needed:
+                node.rng = None
+                if not self.report:  # reports show the whole graph
+                    node.forget_arguments()
+            elif node.rng is not None:
+                gen, state, follows = node.rng
+                if follows in needed:
+                    node.rng = (gen, None, follows)  # replaying ``follows`` first restores it
+                else:
+                    node.rng = (gen, state, None)
+        if not self.report:
+            # Keep only the records replay can reach (the plan's storages, those of kept
+            # handles, and their nodes, for messages): the rest of the graph goes.
+            reachable = set(p.starts) | kept_groups
+            groups, nodes = graph.groups, graph.nodes
+            for gid in range(len(groups)):
+                if gid not in reachable:
+                    groups[gid] = None
+            for i in range(len(nodes)):
+                if i not in needed:
+                    nodes[i] = None  # a reachable group still holds its creator and writers
+
+
+def _arg_refs(items, label: str) -> list:
+    """(label, weak reference) for each tensor argument, and each tensor in a tuple or list
+    argument (Hugging Face passes ``position_embeddings=(cos, sin)``)."""
+    refs = []
+    for k, a in items:
+        if isinstance(a, torch.Tensor):
+            refs.append((label.format(k), weakref.ref(a)))
+        elif isinstance(a, (tuple, list)):
+            refs += [(f"{label.format(k)}[{i}]", weakref.ref(x)) for i, x in enumerate(a) if isinstance(x, torch.Tensor)]
+    return refs
+
+
+def _describe(module_ref, arg_refs, prefix, t) -> str:
+    """A name a person can find: an argument, a parameter's or buffer's qualified name, else a shape."""
+    shape = f"of shape {list(t.shape)} ({t.dtype})"
+    cdata = t.untyped_storage()._cdata
+    for label, ref in arg_refs:
+        a = ref()
+        if a is not None and a.untyped_storage()._cdata == cdata:
+            return f"{label} {shape}"
+    module = module_ref() if module_ref is not None else None
+    if module is not None:
+        for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+            for n, p in items:
+                if p.untyped_storage()._cdata == cdata:
+                    return f"{kind} {prefix + n!r} {shape}"
+    return f"a tensor {shape}"
+
+
+class reporting:
+    """Collect every region created in this thread while active, in report mode."""
+
+    def __enter__(self) -> list:
+        self.previous = getattr(_local, "reporting", None)
+        _local.reporting = self.regions = []
+        return self.regions
+
+    def __exit__(self, *exc):
+        _local.reporting = self.previous
+        return False
+
+
+# Qualified names of modules in the model they were checkpointed in (tracedac.integrations.hf
+# registers each layer): regions entered through checkpoint_call are named by them.
+_module_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_name(module: nn.Module, qualified: str) -> None:
+    """Name the regions ``module`` runs in (``model.layers.3``) when entered by checkpoint_call."""
+    _module_names[module] = qualified
+
+
+def unregister_name(module: nn.Module) -> None:
+    _module_names.pop(module, None)
+
+
+def _module_table(module: nn.Module, name: str, qualified: bool):
+    """A builder of ``id(submodule) -> name`` under ``module`` named ``name`` (paths below it
+    start with ``name.`` when that is a qualified name, as ``wrap`` names them)."""
+    prefix = f"{name}." if qualified else ""
+    return lambda: {id(m): prefix + n if n else name for n, m in module.named_modules()}
+
+
+def current_region() -> Region | None:
+    stack = getattr(_local, "regions", None)
+    return stack[-1] if stack else None
+
+
+def tracing(args=(), kwargs=None) -> bool:
+    """Whether a tracer (dynamo, make_fx, export, a fake-tensor mode) is running the region:
+    then no recorder runs and the region's ops are marked instead (``tracedac.compile``)."""
+    if torch.compiler.is_compiling():
+        return True
+    for key in _TRACING_MODES:
+        if torch._C._get_dispatch_mode(key) is not None:
+            return True
+    return any(isinstance(a, _FakeTensor) for a in (*args, *(kwargs or {}).values()))
+
+
+def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names=None, report=False):
+    """Call ``fn`` once inside a region (or plainly when no gradient is being recorded).
+
+    Without a ``name``, the region is named for the module ``fn`` runs on (its qualified
+    name if registered, else its class) or for the function.
+    """
+    if tracing(args, kwargs):  # under dynamo, make_fx, export or fake tensors: marked, not recorded
+        return traced_region(fn, args, kwargs, policy, name or getattr(fn, "__qualname__", type(fn).__name__))
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    code, on, call_args, call_kwargs = computation(fn, args, kwargs)
+    if module is None:
+        module = on
+    qualified = False
+    if name is None:
+        if on is not None:
+            name = _module_names.get(on)
+            qualified = name is not None
+            name = name or type(on).__name__
+        else:
+            name = getattr(fn, "__qualname__", type(fn).__name__)
+    if module_names is None and module is not None:
+        module_names = _module_table(module, name, qualified)
+    with Region(policy, name, module=module, module_names=module_names, report=report, args=call_args,
+                kwargs=call_kwargs, code=code, prefix=f"{name}." if qualified else ""):
+        return fn(*args, **kwargs)
+
+
+def regions() -> list:
+    """The regions running in this thread, outermost first."""
+    return list(getattr(_local, "regions", ()))
+

@@ -1,0 +1,322 @@
+"""A unit's flat groups and their collectives: ``FlatGroup`` owns one group of parameters'
+flat fp32 shard buffer, its process group, dtypes and layout, and runs the all-gathers and
+reduce-scatters the ops in ``ops.py`` ask for (each op names its group by a string key,
+``group_of``), with an order check before each so that ranks never pair different
+collectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import accumulate_, pack_cast
+from .errors import ZeroError
+from .layout import dtensor, parameter, to_param_major, to_rank_major
+
+__all__ = ["FlatGroup", "collective_device", "group_of"]
+
+# torch 2.13 names the tensor collectives *_single and deprecates *_into_tensor / *_tensor.
+# gloo implements both on CPU (bf16 included).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> FlatGroup
+_KEYS = itertools.count()
+_WHAT = {"all-gather": 0, "reduce-scatter": 1, "adjoint all-gather": 2}
+_WHAT_NAMES = {v: k for k, v in _WHAT.items()}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The same integer on every rank for the same dtype (an order check's column)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def _dtype_named(code: int) -> str:
+    known = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
+    return next((str(d) for d in known if _dtype_code(d) == code), "another dtype")
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def group_of(key: str) -> FlatGroup:
+    group = _GROUPS.get(key)
+    if group is None:
+        raise ZeroError(
+            f"sharded parameter group {key} no longer exists (its model was garbage collected); "
+            "a graph recorded on that model cannot be replayed. Keep the model alive until "
+            "backward has run."
+        )
+    return group
+
+
+class _Pending:
+    """An all-gather in flight: its work handle, its output, and its input (alive until done)."""
+
+    __slots__ = ("work", "out", "src")
+
+    def __init__(self, work, out, src):
+        self.work, self.out, self.src = work, out, src
+
+
+def collective_device(backend: str, buffer_device: torch.device) -> torch.device:
+    """Where a small tensor for ``backend``'s collectives must live: NCCL moves only CUDA
+    tensors (the current device, as torch's own object collectives do); others, the buffer's."""
+    if "nccl" in str(backend):
+        return torch.device("cuda", torch.cuda.current_device())
+    return buffer_device
+
+
+class FlatGroup:
+    """One flat group of a unit: parameters of one travel dtype and one ``requires_grad``.
+
+    Every rank keeps ``local``: its ``Shard(0)`` chunk of every parameter, padded, one after
+    another (``layout``), fp32, ``shard_numel`` elements. The parameters the model shows are
+    ``DTensor`` views of it (``slices[i].param``); ``leaf`` is the same storage as the autograd
+    input of the gather. ``state`` (one per model) prefetches in the order gathers ran in the
+    previous forward or backward: the same on every rank, so every rank issues the same
+    collectives in the same order.
+    """
+
+    def __init__(self, name, slices, shard_numel, requires_grad, dtype, reduce_dtype, group, timeout, state):
+        self.key = f"tracedac_zero_{next(_KEYS)}"  # a str: stays a constant when a compiler traces the op
+        _GROUPS[self.key] = self
+        self.name = name  # "unit 'layers.0' (trainable bfloat16 parameters)", for messages
+        self.crc = zlib.crc32(name.encode())  # the same on every rank: names the group in order checks
+        self.slices = slices
+        self.shard_numel = shard_numel
+        self.requires_grad = requires_grad
+        self.dtype = dtype  # travel and compute dtype
+        self.reduce_dtype = reduce_dtype
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout = timeout
+        self.state = state  # the model's Prefetch
+        self.pending: _Pending | None = None
+        self.travel = dtype  # the dtype the last gather asked for: what a prefetch gathers in
+        self.sync = True  # reduce-scatter gradients in backward (False: accumulate them unsharded)
+        self.held: torch.Tensor | None = None  # the unsharded gradient accumulated while sync is off
+        self.grad_buffer: torch.Tensor | None = None  # flat fp32 gradient that the .grad DTensors view
+        self.grads: list = []
+        self.summoned = False  # inside full_parameters(): the DTensors are swapped out
+        self.local = self.leaf = None
+        self.auto = False  # MixedPrecision("auto"): dtype decided from the first forward (zero/auto.py)
+        self.owner = None  # the unit whose shards these are (its groups start together: Prefetch.together)
+
+    def dtype_now(self) -> torch.dtype:
+        """The dtype to gather in now: the travel dtype, except that an ``"auto"`` group
+        decided low travels fp32 in a forward outside the autocast it was decided under (an
+        eval pass without autocast would otherwise meet bf16 weights with fp32 inputs)."""
+        if self.auto and self.dtype != torch.float32:
+            device = self.local.device.type
+            if not (torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == self.dtype):
+                return torch.float32
+        return self.dtype
+
+    def bind(self, local: torch.Tensor) -> None:
+        """Make ``local`` the rank's buffer: new DTensor parameters over it, set on every module."""
+        self.local = local
+        self.leaf = local.detach().requires_grad_(self.requires_grad)
+        self.grad_buffer, self.grads, self.pending, self.held = None, [], None, None
+        for s in self.slices:
+            s.param = parameter(s, local, self.requires_grad)
+            s.param._tracedac_group, s.param._tracedac_slice = self, s
+            for module, attr in s.uses:
+                module._parameters[attr] = s.param
+
+    # -- collectives --
+    def wait(self, work, what: str) -> None:
+        try:
+            done = work.wait(self.timeout) if self.timeout is not None else work.wait()
+        except RuntimeError as e:
+            raise self._failed(what, e) from e
+        if done is False:
+            raise self._failed(what, None)
+
+    def _failed(self, what, cause) -> ZeroError:
+        limit = f" within {self.timeout.total_seconds():g} s" if self.timeout is not None else ""
+        return ZeroError(
+            f"the {what} of {self.name} failed on rank {self.rank} of {self.world}{limit} "
+            f"({cause or 'timed out'}). Another rank probably died or never reached this step "
+            "(an exception, a different number of steps, a model that runs different units). "
+            "Look at the other ranks' errors first; the timeout is shard(..., timeout=...)."
+        )
+
+    def agree(self, what: str, dtype: torch.dtype, together: tuple = ()) -> None:
+        """Check, before a collective, that every rank is about to run this one.
+
+        Ranks that took different branches would otherwise pair different collectives:
+        silently wrong values when their sizes match, a gloo abort when they do not. A
+        fixed-size all-gather of (collective, size, group name, dtype, how many groups, all of
+        them) cannot abort; every rank sees every row, so every rank raises at the same point.
+        The dtype is part of it: the same group gathered in bf16 on one rank (a forward under
+        autocast, "auto" having decided bf16) and fp32 on another would pair buffers of
+        different byte sizes. ``together``: ``(group, dtype)`` pairs whose all-gathers start
+        right after this one (the rest of its unit, ``Prefetch.together``): one check for all.
+        """
+        if self.world == 1:
+            return
+        device = collective_device(dist.get_backend(self.group), self.local.device)
+        run = ((self, dtype), *together)
+        numel = sum(g.shard_numel for g, _ in run)
+        every = zlib.crc32(" ".join(f"{g.name}:{d}" for g, d in run).encode())
+        mine = torch.tensor([_WHAT[what], numel, self.crc, _dtype_code(dtype), len(run), every], dtype=torch.int64,
+                            device=device)
+        rows = torch.empty(self.world, mine.numel(), dtype=torch.int64, device=device)
+        self.wait(_all_gather(rows.view(-1), mine, group=self.group, async_op=True), f"{what} (order check)")
+        if bool((rows == mine).all()):
+            return
+        r = next(r for r in range(self.world) if not bool((rows[r] == mine).all()))
+        kind, _, crc, code, count, _ = rows[r].tolist()
+        more = f" (and {len(run) - 1} more of its unit's groups)" if len(run) > 1 else ""
+        if kind == _WHAT[what] and crc == self.crc and count == len(run):  # the same collective: dtypes differ
+            theirs = f" in {_dtype_named(code)}" if code != _dtype_code(dtype) else " in other dtypes"
+            raise ZeroError(
+                f"rank {self.rank} is at the {what} of {self.name}{more} in {dtype} but rank {r} is at "
+                f"the same {what}{theirs}: the ranks gather or reduce this group in "
+                "different dtypes (a forward under torch.autocast on some ranks only, with "
+                "MixedPrecision(\"auto\") or a fused cast). Run every rank's forward under the same "
+                "autocast; nothing was exchanged."
+            )
+        if kind == _WHAT[what] and crc == self.crc:  # the same gather, started with other groups
+            raise ZeroError(
+                f"rank {self.rank} is at the {what} of {self.name} with {len(run) - 1} more of its unit's "
+                f"groups, as the last pass ran them, but rank {r} is at it with {count - 1}: one of them "
+                "left the last pass's order of gathers, so the ranks run different units (a branch "
+                "taken on some ranks only, a unit skipped, a different number of forwards). Every rank "
+                "must run the same units in the same order; nothing was exchanged."
+            )
+        theirs = next((g.name for g in list(_GROUPS.values()) if g.crc == crc), "a group this rank does not know")
+        raise ZeroError(
+            f"rank {self.rank} is at the {what} of {self.name}{more} but rank {r} is at the "
+            f"{_WHAT_NAMES.get(kind, 'unknown collective')} of {theirs}"
+            f"{f' (and {count - 1} more)' if count > 1 else ''}: the ranks run different "
+            "units (a branch taken on some ranks only, a unit skipped, a different number of "
+            "forwards). Every rank must run the same units in the same order; nothing was exchanged."
+        )
+
+    def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None, together: tuple = ()) -> _Pending:
+        """Start the all-gather of ``shard`` in the travel dtype (or ``dtype``), asynchronously,
+        and then those of ``together``'s groups (each from its own buffer in its travel dtype,
+        pending until its own gather takes it), after one order check for all."""
+        dtype = self.travel if dtype is None else dtype
+        self.agree("all-gather", dtype, tuple((g, g.travel) for g in together))
+        pending = self._issue(shard, dtype)
+        for g in together:
+            g.pending = g._issue(g.leaf, g.travel)
+            self.state.started(g)
+        return pending
+
+    def _issue(self, shard: torch.Tensor, dtype: torch.dtype) -> _Pending:
+        if dtype == shard.dtype:
+            src = shard.detach()  # no cast: gather straight from the shard
+        else:
+            src = torch.empty(self.shard_numel, dtype=dtype, device=shard.device)
+            pack_cast([shard.detach()], src)  # cast while writing the all-gather input
+        out = torch.empty(self.world * self.shard_numel, dtype=dtype, device=shard.device)
+        work = _all_gather(out, src, group=self.group, async_op=True)
+        return _Pending(work, out, src)
+
+    def gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full parameters, parameter after parameter (``layout``), in the travel dtype (or
+        ``dtype``, and later prefetches with it): prefetched if started in that dtype."""
+        started = self.begin_gather(shard, self.dtype if dtype is None else dtype)
+        return self.end_gather(started.out)
+
+    def begin_gather(self, shard: torch.Tensor, dtype: torch.dtype) -> _Pending:
+        """The pending gather in ``dtype`` (one in another dtype is waited for and dropped),
+        started now unless it is; later prefetches gather in ``dtype``. ``all_gather_start``."""
+        self.travel = dtype
+        pending = self.pending
+        if pending is not None and pending.out.dtype != dtype:  # started before the dtype changed
+            self.wait(pending.work, "all-gather (prefetched)")
+            pending = None
+        if pending is None:
+            pending = self.pending = self.start(shard, dtype, self.state.together(self, _in_backward()))
+            self.state.started(self)
+        return pending
+
+    def end_gather(self, started: torch.Tensor) -> torch.Tensor:
+        """Finish the pending gather whose output is ``started``, start the next one in the
+        last pass's order, and reorder into parameter after parameter. ``all_gather_wait``."""
+        pending = self.pending
+        if pending is None or pending.out.data_ptr() != started.data_ptr():
+            # Not the gather ``started`` names: it was drained at a pass's end (its forward
+            # and this wait fell in two passes) or replaced. Its data may predate an optimizer
+            # step: gather again now rather than read it.
+            return self.gather(self.leaf, started.dtype)
+        self.pending = None
+        self.wait(pending.work, "all-gather")
+        self._prefetch_next()
+        return to_param_major(pending.out, self.slices, self.world)
+
+    def gather_fp32(self) -> torch.Tensor:
+        """The full fp32 parameters, outside any pass (state dicts, ``full_parameters``)."""
+        pending = self.start(self.local, torch.float32)
+        self.wait(pending.work, "all-gather (full parameters)")
+        return to_param_major(pending.out, self.slices, self.world)
+
+    def _prefetch_next(self) -> None:
+        backward = _in_backward()
+        state = self.state
+        nxt = state.after(self, backward)
+        if nxt is not None and nxt.pending is None:
+            nxt.pending = nxt.start(nxt.leaf, together=state.together(nxt, backward, len(state.current)))
+            state.started(nxt)
+
+    def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        self.agree("reduce-scatter", self.reduce_dtype)
+        full = to_rank_major(grad.to(self.reduce_dtype), self.slices, self.world)
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
+        self.wait(_reduce_scatter(out, full, group=self.group, async_op=True), "reduce-scatter")
+        return out.div_(self.world)
+
+    def adjoint_all_gather(self, grad: torch.Tensor) -> torch.Tensor:
+        """The adjoint of ``reduce_scatter`` (sum-then-divide): every rank's part, all-gathered,
+        divided by world, parameter after parameter."""
+        self.agree("adjoint all-gather", grad.dtype)
+        out = grad.new_empty(self.world * self.shard_numel)
+        self.wait(_all_gather(out, grad.contiguous(), group=self.group, async_op=True),
+                  "all-gather (reduce-scatter backward)")
+        return to_param_major(out.div_(self.world), self.slices, self.world)
+
+    # -- gradients --
+    def hold(self, grad: torch.Tensor) -> None:
+        """``set_requires_gradient_sync(False)``: add the full gradient here, reduce nothing."""
+        if self.held is None:
+            self.held = grad.to(torch.float32, copy=True)
+        else:
+            accumulate_(self.held, grad)
+
+    def take_held(self, grad: torch.Tensor) -> torch.Tensor:
+        held, self.held = self.held, None
+        return grad if held is None else accumulate_(held, grad)
+
+    def add_grad(self, part: torch.Tensor) -> None:
+        """Add this rank's reduced gradient into the parameters' ``.grad`` (DTensors)."""
+        current = [s.param.grad for s in self.slices]
+        if self.grad_buffer is not None and all(g is mine for g, mine in zip(current, self.grads)):
+            accumulate_(self.grad_buffer, part)  # every .grad is still a view of ours: one fused pass
+            return
+        if all(g is None for g in current):
+            buf = part if part.dtype == torch.float32 else part.float()  # part is ours: no copy
+            self.grad_buffer = buf
+            self.grads = [dtensor(s.local(buf), s.spec) for s in self.slices]
+            for s, g in zip(self.slices, self.grads):
+                s.param.grad = g
+            return
+        self.grad_buffer, self.grads = None, []  # someone set or dropped some: one at a time
+        for s, g in zip(self.slices, current):
+            piece = s.local(part)
+            if g is None:
+                s.param.grad = dtensor(piece.float().clone(), s.spec)
+            else:
+                g._local_tensor.add_(piece)
