@@ -30,6 +30,7 @@ common_methods_invocations = pytest.importorskip("torch.testing._internal.common
 POLICIES = [
     policies.recompute_all(), policies.save_all(), policies.save_matmuls(),
     policies.memory_budget(0.3), policies.min_cut(),
+    policies.offload_kept(policies.save_all()),  # what save_all keeps, through host copies
 ]
 ALL_SAMPLES = os.environ.get("TRACEDAC_OPINFO_ALL", "") not in ("", "0")
 # how many samples of each op: TRACEDAC_OPINFO_SAMPLES=4 (ALL: every one; some ops have hundreds)

@@ -8,11 +8,13 @@ Checked by running the test suite on torch 2.11 and 2.13 (docs/design.md, "Suppo
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 
-__all__ = ["class_forward", "graph_input_sources", "is_exporting", "op_effect", "optimization_hint", "trace_time_error"]
+__all__ = ["class_forward", "graph_input_sources", "is_exporting", "op_effect", "optimization_hint",
+           "trace_time_error"]
 
 # (torch major, minor): zero/unit.py's compiles_zero reads it
 _VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -76,3 +78,62 @@ def op_effect(op):
     if get is not None:
         return get(op)
     return getattr(effects, "SIDE_EFFECTS", {}).get(op)
+
+
+def dynamo_off():
+    """Run what follows with dynamo off, as ``torch.compiler.set_stance("force_eager")``; the
+    state to hand ``dynamo_restore``.
+
+    A ``torch.compile``d function called inside a region must run as plain Python (see
+    ``trace.TracerMode.ignore_compile_internals``). Left to itself, dynamo meets the frame under a
+    dispatch mode, declines to compile it and marks its code skipped for the rest of the
+    process: the function would never run compiled again, even outside regions. With the
+    stance forced to eager and no frame callback (a region entered from a graph-broken
+    compiled frame has one), dynamo never sees the frame, so nothing is marked.
+    Nothing to do when dynamo was never imported: nothing can have been compiled.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return None
+    callback = torch._C._dynamo.eval_frame.set_eval_frame(None)
+    stance = eval_frame._set_stance(_force_eager(eval_frame))
+    return eval_frame, callback, stance
+
+
+@functools.cache
+def _force_eager(eval_frame):
+    """Dynamo's force_eager stance, made once (a region is entered at every call)."""
+    return eval_frame.DynamoStance(stance="force_eager")
+
+
+def dynamo_restore(state) -> None:
+    if state is None:
+        return
+    eval_frame, callback, stance = state
+    eval_frame._set_stance(stance)
+    torch._C._dynamo.eval_frame.set_eval_frame(callback)
+
+
+def selective_checkpoint_policy(contexts):
+    """What ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` was given (a list
+    of ops or a policy function), from the pair of modes it returned; None for anything else.
+    torch keeps it on its private caching modes, a list wrapped in a policy function of its
+    own whose closure holds the list."""
+    from torch.utils import checkpoint as tc
+
+    caching, cached = getattr(tc, "_CachingTorchDispatchMode", None), getattr(tc, "_CachedTorchDispatchMode", None)
+    if not (isinstance(contexts, tuple) and len(contexts) == 2 and caching is not None
+            and type(contexts[0]) is caching and type(contexts[1]) is cached):
+        return None
+    policy_fn = contexts[0].policy_fn
+    if getattr(policy_fn, "__code__", None) is _sac_list_policy_code():
+        cells = dict(zip(policy_fn.__code__.co_freevars, (c.cell_contents for c in policy_fn.__closure__)))
+        return list(cells["policy_fn_or_list"])
+    return policy_fn
+
+
+@functools.cache
+def _sac_list_policy_code():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts([])[0].policy_fn.__code__

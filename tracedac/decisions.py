@@ -30,9 +30,9 @@ from ._compat import op_effect
 from .errors import CheckpointError
 
 __all__ = [
-    "LOW_DTYPES", "MATMUL_OPS", "MUST_CPU_OFFLOAD", "MUST_RECOMPUTE", "MUST_SAVE", "PREFER_CPU_OFFLOAD",
-    "PREFER_RECOMPUTE", "PREFER_SAVE", "RECOMPUTE_OPS", "cast_dtype", "decision", "is_offload", "is_save",
-    "recompute_by_default", "resolve",
+    "COLLECTIVE_NAMESPACES", "EFFECT_REPLAYED", "LOW_DTYPES", "MATMUL_OPS", "MUST_CPU_OFFLOAD",
+    "MUST_RECOMPUTE", "MUST_SAVE", "PREFER_CPU_OFFLOAD", "PREFER_RECOMPUTE", "PREFER_SAVE", "RECOMPUTE_OPS",
+    "cast_dtype", "decision", "effect", "is_offload", "is_save", "recompute_by_default", "resolve",
 ]
 
 MUST_SAVE = CheckpointPolicy.MUST_SAVE
@@ -79,29 +79,34 @@ def recompute_by_default(op: OpOverload, reason: str) -> None:
 # (functional, their autograd variants, and c10d's in-place ones), any other op by the effect
 # it was registered with through ``torch.library``. ``RECOMPUTE_OPS`` wins: an op's owner
 # who asked for replay (tracedac.zero's all-gather) gets it.
-COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d"})
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional",
+                                   "c10d"})
 _EFFECTS: dict[int, tuple] = {}  # id(op) -> (op, why or None), found on first sight
 
 
-def _why_kept(op) -> str | None:
+def _effect_of(op) -> str | None:
     if not isinstance(op, OpOverload):
         return None
     if op.namespace in COLLECTIVE_NAMESPACES:
-        return ("a collective: replaying it would send its data again, and every rank would have to "
-                "replay the same collective at the same point of its backward")
+        return "a collective"
     if op_effect(op) is not None:
-        return "registered with an effect (torch.library): replaying it would repeat the effect"
+        return "an op registered with an effect (torch.library)"
     return None
 
 
+# What replaying one would do, for messages.
+EFFECT_REPLAYED = ("replaying it would run it again: a collective sends its data again, and every rank would "
+                   "have to replay the same one at the same point of its backward")
+
+
 def effect(op) -> str | None:
-    """Why ``op``'s results are kept, never replayed (its effect, as a sentence), or None.
+    """What ``op`` is if its results are kept, never replayed ("a collective"), or None.
     Asked for every recorded node: one dictionary lookup after an op's first sight."""
     if id(op) in RECOMPUTE_OPS:
         return None
     known = _EFFECTS.get(id(op))
     if known is None:
-        known = _EFFECTS[id(op)] = (op, _why_kept(op))  # the op pins its id
+        known = _EFFECTS[id(op)] = (op, _effect_of(op))  # the op pins its id
     return known[1]
 
 
@@ -129,12 +134,11 @@ def resolve(policy, node, constant=None) -> CheckpointPolicy:
         return d
     if d is MUST_RECOMPUTE:
         raise CheckpointError(
-            f"policy {policy!r} returned MUST_RECOMPUTE for {node.name} (node {node.index}), which is {why}. "
-            "tracedac keeps the results of collectives and other effectful ops under every policy, and "
-            "cannot promise that every rank's backward would replay the same ones: each rank plans "
-            "from its own shapes. Return PREFER_RECOMPUTE (the result is kept), or call the op outside "
-            "the region; parameters that should be gathered again in backward are what tracedac.zero "
-            "shards."
+            f"policy {policy!r} returned MUST_RECOMPUTE for {node.name} (node {node.index}), {why}; "
+            f"{EFFECT_REPLAYED}, and each rank plans its replay from its own shapes, so tracedac keeps "
+            "the results of collectives and other effectful ops under every policy. Return "
+            "PREFER_RECOMPUTE (the result is kept), or call the op outside the region; parameters that "
+            "should be gathered again in backward are what tracedac.zero shards."
         )
     return MUST_SAVE
 

@@ -10,7 +10,7 @@ from .compile.report import compiled_target
 from .compile.report import report as compiled_report
 from .errors import CheckpointError
 from .graph import RegionGraph
-from .decisions import PREFER_SAVE
+from .decisions import PREFER_SAVE, effect
 from .planners import planner_of
 from .policies import check_policy, describe_policy, recompute_all
 from .replay_plan import plan
@@ -24,6 +24,9 @@ def _storage_key(t: torch.Tensor):
 
 
 def _why(policy: str, planner, node) -> str:
+    what = effect(node.op)
+    if what is not None:
+        return f"{what}: kept under every policy, never replayed"
     # In a planned region every PREFER_SAVE is the planner's: the others' MUSTs bind it.
     if planner is not None and node.decision is PREFER_SAVE:
         name = repr(planner)
@@ -58,7 +61,7 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
         shape, dtype = (tuple(meta.size), meta.dtype) if meta is not None else ((copy.nbytes,), torch.uint8)
         rows.append(SavedRow(
             graph.name, "offloaded", node.name, shape, dtype, copy.nbytes, node.source,
-            node.module_path, ", ".join(sorted(node.labels)), f"{why}; in host memory, brought back in backward",
+            node.module_path, ", ".join(sorted(node.labels)), f"{why}; in host memory until backward",
         ))
 
     replay = [h for h in region.handles if h.tensor is None and h.host is None]
@@ -75,7 +78,8 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
     for g in graph.groups:
         if g.host is not None:
             node = g.node
-            meta = next((m for m in (*node.outputs, *node.tensor_args) if m is not None and m.group == g.id), None)
+            metas = (*node.outputs, *node.tensor_args)
+            meta = next((m for m in metas if m is not None and m.group == g.id), None)
             offloaded(g.host, meta, node, f"{_why(policy, planner, node)}; replay reads it")
         if g.held is not None:
             node = g.node

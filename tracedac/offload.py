@@ -153,7 +153,8 @@ class HostCopy:
         flat = self.source()
         with torch.no_grad():
             return torch.empty(0, dtype=meta.dtype, device=self.device).set_(
-                flat.untyped_storage(), meta.offset, meta.size, meta.stride)
+                flat.untyped_storage(), meta.offset, meta.size, meta.stride
+            )
 
     def __repr__(self) -> str:
         return f"HostCopy({self.nbytes} B of {self.device}, state {self.state})"

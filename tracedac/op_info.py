@@ -55,13 +55,15 @@ def _holds_tensors(t) -> bool:
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     """``_c10d_functional._wrap_tensor_autograd`` in a region: wait for the collective, and
-    return its result itself, a plain tensor. Outside a region a functional collective's result
+    return its result as a plain tensor. Outside a region a functional collective's result
     is wrapped in an ``AsyncCollectiveTensor`` that waits at its first use, a subclass whose own
     storage holds no data (recorded, it was a storage of its own); torch.compile's tracing
-    waits at once too (``_maybe_wrap_tensor``). Runs below autograd, which makes the result an
-    alias of the input."""
+    waits at once too (``_maybe_wrap_tensor``). A new tensor on the input's storage, as the
+    wrapper is: returning the input itself makes autograd call the result a view made in a
+    custom function, which the program could then not write in place."""
     torch.ops._c10d_functional.wait_tensor.default._op(t)
-    return t
+    out = t.new_empty(0)
+    return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 _WAIT = "_c10d_functional::_wrap_tensor_autograd"  # an op the recorder runs as something else

@@ -18,7 +18,9 @@ from torch import nn
 
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .decisions import MUST_RECOMPUTE, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_RECOMPUTE, PREFER_SAVE, is_offload
+from .decisions import (
+    MUST_RECOMPUTE, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_RECOMPUTE, PREFER_SAVE, is_offload,
+)
 from .graph import Node
 from .planners import Planner, must_decisions, problem, region_values
 

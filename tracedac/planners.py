@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .decisions import MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, Held, is_offload
+from .decisions import MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, Held, effect, is_offload
 from .errors import CheckpointError
 from .graph import Node, RegionGraph, human_bytes, walk
 
@@ -251,7 +251,7 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
             for m in node.tensor_args:
                 G.add_edge(("out", m.group, m.state), a)
             final = s == len(groups[gid].mutations)
-            if d is not None and is_offload(d) and final:
+            if is_offload(d) and final:
                 G.add_edge(src, a)  # on the host: free, as an outside value
                 G[a][("out", gid, s)]["capacity"] = 0
             elif d is MUST_SAVE and final:
@@ -278,8 +278,7 @@ def min_cut_keep(graph: RegionGraph, wanted, *, replay_matmuls=False, decisions=
     for g in groups:
         s = len(g.mutations)
         if g.creator is not None and ("in", g.id, s) not in sink_side and ("out", g.id, s) in sink_side:
-            d = decisions.get(g.node.index)
-            if d is None or not is_offload(d):
+            if not is_offload(decisions.get(g.node.index)):
                 keep.append(g.id)
     return keep, value, G
 
@@ -305,8 +304,9 @@ class Problem:
     ``forced_in``/``forced_out`` what MUST decisions (or a result already let go) settle;
     ``full`` the bytes kept without checkpointing; ``live`` the storages that can still be
     kept (None: all); ``reserved`` bytes of the budget that go to values kept whatever the
-    plan (under compile: a region's result that the next region reads), ``kept_anyway``
-    their groups. Under compile ``items`` also holds what the untagged partition saves.
+    plan (a collective's result, ``decisions.effect``; under compile also a region's result
+    that the next region reads), ``kept_anyway`` their groups. Under compile ``items`` also
+    holds what the untagged partition saves.
     ``offloaded`` are the items the policy offloads: not a choice, no device bytes, but
     available to replay from (priced as kept)."""
 
@@ -327,20 +327,26 @@ def problem(graph: RegionGraph, wanted, live=None, held=()) -> Problem:
     limits what can still be kept; ``held`` are storages held outside ``wanted`` whose MUST_SAVE
     binds the budget too."""
     groups = graph.groups
-    items = sorted({gid for gid, st in wanted if st == len(groups[gid].mutations)})
+    items = {gid for gid, st in wanted if st == len(groups[gid].mutations)}
     full = sum(groups[gid].nbytes for gid in {gid for gid, _ in wanted})
-    forced_in = [g for g in items if groups[g].node.decision is MUST_SAVE]
+    # Collectives' results are kept by every policy: out of the budget first, priced as kept,
+    # never a reason to refuse a budget (the policy did not ask for them).
+    effects = {g for g in (*items, *held)
+               if groups[g].node.decision is MUST_SAVE and effect(groups[g].node.op) is not None}
+    items = sorted(items | effects)
+    forced_in = [g for g in items if groups[g].node.decision is MUST_SAVE and g not in effects]
     forced_in += [g for g in held if g not in items and groups[g].node.decision is MUST_SAVE]
     offloaded = frozenset(g for g in items if is_offload(groups[g].node.decision))
     forced_out = {g for g in items if g not in offloaded and ((live is not None and g not in live)
                   or groups[g].node.decision is MUST_RECOMPUTE)}
-    return Problem(graph, set(wanted), items, full, forced_in, forced_out, live, offloaded=offloaded)
+    return Problem(graph, set(wanted), items, full, forced_in, forced_out, live, offloaded=offloaded,
+                   reserved=sum(groups[g].nbytes for g in effects), kept_anyway=frozenset(effects))
 
 
 def must_decisions(graph: RegionGraph) -> dict:
     """The decisions a planner does not make: MUST ones, and offloads (MUST or PREFER)."""
     return {n.index: n.decision for n in graph.nodes
-            if n.decision in (MUST_SAVE, MUST_RECOMPUTE) or (n.decision is not None and is_offload(n.decision))}
+            if n.decision in (MUST_SAVE, MUST_RECOMPUTE) or is_offload(n.decision)}
 
 
 # --- planner objects ----------------------------------------------------------------------
@@ -389,7 +395,7 @@ class MemoryBudget(Planner):
         groups = graph.groups
         forced = set(forced_in)
         forced_bytes = sum(groups[g].nbytes for g in forced)
-        fixed = forced_out | p.offloaded  # replayed, or on the host: not the knapsack's
+        fixed = forced_out | p.offloaded | p.kept_anyway  # replayed, on the host, or kept: not the knapsack's
         free = [b for b in bundles_of(graph, items)
                 if not any(g in fixed for g in b) and not all(g in forced for g in b)]
         weights = [sum(groups[g].nbytes for g in b if g not in forced) for b in free]

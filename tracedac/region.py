@@ -11,6 +11,7 @@ The public ways to make one (``checkpoint``, ``checkpoint_call``, ``wrap``) are 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 
@@ -98,9 +99,11 @@ class Region:
         planner = planner_of(policy)
         self.planning = None
         self.timing = False
+        # whether anything may be offloaded (region exit then settles the host copies)
+        self.offloads = getattr(policy, "offloads_kept", False)
         if planner is not None:
-            self.planning = Planning(planner, None if self.report else plan_key(policy, code, module, args, kwargs),
-                                     offload=getattr(policy, "offloads_kept", False))
+            key = None if self.report else plan_key(policy, code, module, args, kwargs)
+            self.planning = Planning(planner, key, offload=self.offloads)
             self.timing = getattr(planner, "cost", None) == "time"
         self.tracer = TracerMode(self.graph, self)
         # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
@@ -120,6 +123,8 @@ class Region:
     def decide(self, node) -> bool:
         """Decide ``node`` (``node.decision``); whether to hold its result until the region ends."""
         d = resolve(self.policy, node, self.constant)
+        if is_offload(d):
+            self.offloads = True
         if self.planning is not None:
             return self.planning.decide(node, d)
         node.decision = d
@@ -127,7 +132,7 @@ class Region:
 
     def hold(self, group, tensor) -> None:
         """Keep ``tensor`` (the program's own) for ``group`` until ``alias`` replaces it; or,
-        for a result the policy offloads, copy it to host memory now (``offload``)."""
+        for a result the policy offloads, copy it to host memory now (``offload.host_copy``)."""
         if is_offload(group.node.decision):
             host_copy(group, tensor)
             return
@@ -232,7 +237,8 @@ class Region:
         self.raw_held = []
         if self.planning is not None:
             self.planning.finish(self)  # decide what was left undecided, let go of the rest
-        self.kept = settle(self.graph.groups, self.kept)  # what is offloaded leaves the device
+        if self.offloads:
+            self.kept = settle(self.graph.groups, self.kept)  # what is offloaded leaves the device
         module = weakref.ref(self.module) if self.module is not None else None
         graph.namer = functools.partial(_describe, module, self.arg_refs, self.prefix)
         # From here a version counter that moves means a change the recorder did not see.
@@ -391,6 +397,21 @@ def tracing(args=(), kwargs=None) -> bool:
     return any(isinstance(a, _FakeTensor) for a in (*args, *(kwargs or {}).values()))
 
 
+def _waited(args, kwargs):
+    """Arguments with a functional collective's result made outside the region (an
+    ``AsyncCollectiveTensor``, which waits at its first use) waited for: the plain tensor it
+    wraps, with its history. The recorder refuses tensor subclasses, and a collective called in
+    a region is waited for at once anyway (``op_info._wait``)."""
+    fc = sys.modules.get("torch.distributed._functional_collectives")
+    if fc is None:  # never imported: no such tensor exists
+        return args, kwargs
+    wrapper = fc.AsyncCollectiveTensor
+    if not any(type(a) is wrapper for a in (*args, *(kwargs or {}).values())):
+        return args, kwargs
+    args = tuple(a.trigger_wait() if type(a) is wrapper else a for a in args)
+    return args, {k: v.trigger_wait() if type(v) is wrapper else v for k, v in (kwargs or {}).items()}
+
+
 def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names=None, report=False):
     """Call ``fn`` once inside a region (or plainly when no gradient is being recorded).
 
@@ -401,6 +422,7 @@ def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names
         return traced_region(fn, args, kwargs, policy, name or getattr(fn, "__qualname__", type(fn).__name__))
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    args, kwargs = _waited(args, kwargs)
     code, on, call_args, call_kwargs = computation(fn, args, kwargs)
     if module is None:
         module = on

@@ -13,6 +13,7 @@ tensor written after the region, a value forgotten) is an error naming what chan
 
 from __future__ import annotations
 
+from .decisions import EFFECT_REPLAYED, effect
 from .errors import CheckpointError
 from .graph import Group, RegionGraph, human_bytes, walk
 
@@ -46,6 +47,19 @@ def _stale(graph: RegionGraph, g: Group) -> bool:
     if g.held is not None:
         return g.held._version != g.version
     return g.host is not None and not g.host.unchanged
+
+
+class _EffectReplayed(CheckpointError):
+    """Replay would run a collective (or another op with an effect) again: a value it wrote was
+    written again in the region, and backward needs the value from before."""
+
+    def __init__(self, graph: RegionGraph, node, why: str):
+        super().__init__(
+            f"backward needs the result of {node.name} (node {node.index} of region {graph.name!r}) as it "
+            "was before a later in-place write to it, and the region could only rebuild that by running "
+            f"{node.name} again, {why}, which tracedac never replays ({EFFECT_REPLAYED}). Write into a "
+            "copy (y = y.clone() before the in-place op), or move the write out of the region."
+        )
 
 
 class _Forgotten(CheckpointError):
@@ -90,7 +104,7 @@ def changed_error(graph: RegionGraph, slot) -> CheckpointError:
     return _kept_changed_error(graph, graph.groups[slot.meta.group], t._version, slot.version)
 
 
-def _kept_changed_error(graph: RegionGraph, g: Group, now: int, then: int, offloaded=False) -> CheckpointError:
+def _kept_changed_error(graph: RegionGraph, g: Group, now: int, then: int, offloaded=False):
     node = g.node
     kept = "offloaded to host for backward" if offloaded else "kept for backward"
     return CheckpointError(
@@ -159,6 +173,9 @@ def plan(graph: RegionGraph, wanted) -> Plan:
     def visit(node) -> None:
         if not node.replayable:
             refuse(_Forgotten(node))
+        why = effect(node.op)
+        if why is not None:  # kept by every policy (decisions.effect): reached only around the kept value
+            refuse(_EffectReplayed(graph, node, why))
 
     starts, chosen, reads = walk(graph, wanted, start_of, visit)
     return Plan(starts, chosen, frozenset(wanted), reads)

@@ -73,9 +73,10 @@ class SavedReport:
         out = [line(headers), line("-" * w for w in widths)]
         out += [line(row) for row in table]
         out.append("")
-        host = f"offloaded to host {human_bytes(self.offloaded_bytes)} | " if self.offloaded_bytes else ""
+        host = f" | offloaded to host {human_bytes(self.offloaded_bytes)}" if self.offloaded_bytes else ""
         out.append(
-            f"kept {human_bytes(self.kept_bytes)} | {host}inputs referenced {human_bytes(self.input_bytes)} | "
+            f"kept {human_bytes(self.kept_bytes)}{host} | "
+            f"inputs referenced {human_bytes(self.input_bytes)} | "
             f"replayed in backward {human_bytes(self.replayed_bytes)} "
             f"({self.replay_ops} ops, {self.replay_flops / 1e9:.3f} GFLOP)"
         )

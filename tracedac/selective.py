@@ -41,6 +41,7 @@ import torch
 from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
+from ._compat import selective_checkpoint_policy
 from .decisions import MUST_SAVE, PREFER_RECOMPUTE, Held
 from .errors import CheckpointError
 from .graph import Layout, TensorMeta
@@ -49,10 +50,6 @@ from .trace import deciding
 __all__ = ["TorchSelective", "from_context_fn", "is_noop_context_fn", "policy_for_context_fn",
            "torch_selective"]
 
-_CACHING = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", None)
-_CACHED = getattr(_torch_checkpoint, "_CachedTorchDispatchMode", None)
-# The code of the policy torch makes from a list of ops (its closure holds the list).
-_LIST_POLICY_CODE = _torch_checkpoint.create_selective_checkpoint_contexts([])[0].policy_fn.__code__
 # torch 2.13's context carries the op's result; older ones only ``is_recompute``.
 try:
     SelectiveCheckpointContext(is_recompute=False, op_output=None)
@@ -83,15 +80,15 @@ def from_context_fn(context_fn, where: str = "checkpoint_call"):
     if not callable(context_fn):
         raise CheckpointError(f"{where} got context_fn={context_fn!r}, which is not callable. {_FOREIGN}")
     contexts = context_fn()  # torch calls it at every checkpoint call too: it only makes two modes
-    if not (isinstance(contexts, tuple) and len(contexts) == 2 and _CACHING is not None
-            and type(contexts[0]) is _CACHING and type(contexts[1]) is _CACHED):
+    given = selective_checkpoint_policy(contexts)
+    if given is None:
         name = getattr(context_fn, "__qualname__", None) or repr(context_fn)
         raise CheckpointError(
             f"{where} got a context_fn ({name}) that is not torch's selective checkpointing (it "
             f"returned {type(contexts).__name__}, not create_selective_checkpoint_contexts' pair of "
             f"modes). {_FOREIGN}"
         )
-    return torch_selective(_policy_fn_or_list(contexts[0].policy_fn))
+    return torch_selective(given)
 
 
 # Policies made from a context_fn met inside compiled code, by id: dynamo cannot trace the
@@ -126,15 +123,6 @@ def _converted(context_fn, where: str) -> int:
 
 
 _converted._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, without importing dynamo
-
-
-def _policy_fn_or_list(policy_fn):
-    """What was given to ``create_selective_checkpoint_contexts``: the list torch wrapped in
-    its own policy function, or the user's function."""
-    if getattr(policy_fn, "__code__", None) is _LIST_POLICY_CODE:
-        cells = dict(zip(policy_fn.__code__.co_freevars, (c.cell_contents for c in policy_fn.__closure__)))
-        return list(cells["policy_fn_or_list"])
-    return policy_fn
 
 
 def torch_selective(policy_fn_or_list):

@@ -9,14 +9,13 @@ popped when it ends, so code outside regions runs with no mode and no cost.
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
 import threading
 import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._compat import dynamo_off, dynamo_restore
 from .errors import CheckpointError
 from .graph import Group, Layout, Node, RegionGraph, TensorMeta, flatten_outputs
 from .location import current_module_path, user_source
@@ -125,40 +124,6 @@ def _timed(func, args, kwargs) -> tuple:
 # --- the mode ------------------------------------------------------------------------------
 
 
-def _dynamo_off():
-    """Run what follows with dynamo off, as ``torch.compiler.set_stance("force_eager")``; the
-    state to hand ``_dynamo_restore``.
-
-    A ``torch.compile``d function called inside a region must run as plain Python (see
-    ``TracerMode.ignore_compile_internals``). Left to itself, dynamo meets the frame under a
-    dispatch mode, declines to compile it and marks its code skipped for the rest of the
-    process: the function would never run compiled again, even outside regions. With the
-    stance forced to eager and no frame callback (a region entered from a graph-broken
-    compiled frame has one), dynamo never sees the frame, so nothing is marked.
-    Nothing to do when dynamo was never imported: nothing can have been compiled.
-    """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None:
-        return None
-    callback = torch._C._dynamo.eval_frame.set_eval_frame(None)
-    stance = eval_frame._set_stance(_force_eager(eval_frame))
-    return eval_frame, callback, stance
-
-
-@functools.cache
-def _force_eager(eval_frame):
-    """Dynamo's force_eager stance, made once (a region is entered at every call)."""
-    return eval_frame.DynamoStance(stance="force_eager")
-
-
-def _dynamo_restore(state) -> None:
-    if state is None:
-        return
-    eval_frame, callback, stance = state
-    eval_frame._set_stance(stance)
-    torch._C._dynamo.eval_frame.set_eval_frame(callback)
-
-
 class TracerMode(TorchDispatchMode):
     """Records one region call into ``graph``.
 
@@ -185,14 +150,14 @@ class TracerMode(TorchDispatchMode):
         return False
 
     def __enter__(self):
-        self._dynamo = _dynamo_off()
+        self._dynamo = dynamo_off()
         return super().__enter__()
 
     def __exit__(self, exc_type, exc, tb):
         try:
             return super().__exit__(exc_type, exc, tb)
         finally:
-            _dynamo_restore(self._dynamo)
+            dynamo_restore(self._dynamo)
 
     def __init__(self, graph: RegionGraph, region):
         super().__init__()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .decisions import decision, is_save
+from .decisions import is_save, resolve
 from .graph import human_bytes
 from .inspect import record
 from .planners import MemoryBudget, Planner, closure, problem, region_values
-from .policies import either, memory_budget, recompute_all, save_all, save_matmuls
+from .policies import OffloadKept, either, memory_budget, recompute_all, save_all, save_matmuls
 
 __all__ = ["TradeOff", "TradeOffRow", "trade_off"]
 
@@ -82,7 +82,7 @@ class _Region:
     def evaluate(self, kept: set) -> tuple[int, int, int]:
         """(bytes kept, replay FLOPs, ops replayed) when the storages ``kept`` are held."""
         graph = self.graph
-        run = closure(graph, self.wanted, kept)
+        run = closure(graph, self.wanted, kept | self.problem.offloaded)  # offloaded: replay starts on the host copy
         read = {m.group for i in run for m in graph.nodes[i].tensor_args}
         used = {g for g in kept if g in self.item_set or g in read}  # a kept result nothing reads is let go
         return (sum(graph.groups[g].nbytes for g in used), sum(graph.nodes[i].flops for i in run), len(run))
@@ -91,17 +91,20 @@ class _Region:
         solve = self._prepared.get(planner.cost)
         if solve is None:  # priced once per cost model, whatever the number of budgets
             solve = self._prepared[planner.cost] = planner.prepare(self.problem)
-        return solve(planner.bytes_for(self.full), planner)
+        p = self.problem  # a collective's result is kept whatever the budget: counted first
+        return solve(max(0, planner.bytes_for(self.full) - p.reserved), planner) | p.kept_anyway
 
     def kept_by(self, policy) -> set:
         """What a per-op policy keeps: the storages whose last writer it decides to save."""
         return {g.id for g in self.graph.groups
-                if g.creator is not None and is_save(decision(policy, g.node))}
+                if g.creator is not None and is_save(resolve(policy, g.node))}
 
 
 def _recording_policy(fn):
     """Record under the region's own per-op decisions, with nothing left to the planner to drop."""
     policy = getattr(getattr(fn, "_tracedac", None), "policy", None)
+    if isinstance(policy, OffloadKept):  # the sweep is of what the policy inside would keep
+        policy = policy.policy
     rest = [p for p in getattr(policy, "policies", (policy,)) if p is not None and not isinstance(p, Planner)]
     return either(*rest, memory_budget(1.0)) if rest else memory_budget(1.0)
 

@@ -3,7 +3,8 @@
 The recorder learns what an op writes from its schema (``Tensor(a!)``). A few aten kernels
 write an argument the schema leaves unannotated; replaying such an op as a pure function
 would write a live tensor a second time (BatchNorm's running statistics updated again in
-backward). This module is the one place that knows those ops.
+backward). This module is the one place that knows those ops, torch.distributed's in-place
+collectives included (``_C10D_WRITES``).
 
 Most of the list is torch's own: ``torch._C._SchemaInfo`` (what ``SchemaCheckMode`` and
 the JIT's alias analysis use) special-cases the "training ops" whose arguments are mutable
@@ -42,6 +43,23 @@ EXTRA: dict[str, tuple[tuple[str, ...], str]] = {
         "SyncBatchNorm's CUDA kernel folds the gathered statistics into the running ones in place",
     ),
 }
+
+# torch.distributed's in-place collectives (``dist.all_reduce(t)`` dispatches
+# ``c10d::allreduce_``): c10d's schemas annotate no write. Recorded, the write is kept and never
+# replayed (``decisions.effect``); unrecorded, replay rebuilt the tensor from before the
+# collective (a silently wrong gradient on more than one rank). Not covered: the list-of-lists
+# outputs of ``allgather_``, ``gather_`` and ``allgather_coalesced_`` (``dist.all_gather`` into
+# a list; ``dist.all_gather_into_tensor`` is ``_allgather_base_``).
+_C10D_WRITES = {
+    "allreduce_": "tensors", "allreduce_coalesced_": "tensors", "broadcast_": "tensors", "reduce_": "tensors",
+    "_allgather_base_": "output_tensor", "allgather_into_tensor_coalesced_": "outputs",
+    "_reduce_scatter_base_": "output_tensor", "reduce_scatter_tensor_coalesced_": "outputs",
+    "reduce_scatter_": "output_tensors", "alltoall_base_": "output", "alltoall_": "output_tensors",
+    "scatter_": "output_tensors", "recv_": "tensors", "recv_any_source_": "tensors",
+}
+EXTRA.update({f"c10d::{op}": ((arg,), "a torch.distributed collective writes its result into this argument, "
+                                      "which c10d's schema does not annotate")
+              for op, arg in _C10D_WRITES.items()})
 
 
 def hidden_writes(func):

@@ -158,7 +158,6 @@ def test_disable_and_unwrap_put_back_every_flag_function_hook_and_attribute():
 @pytest.mark.parametrize("options, match", [
     ({"activation_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant=True"),
     ({"activation_checkpointing_kwargs": {"context_fn": lambda: None}}, "policy=tracedac.policies.save_ops"),
-    ({"offload": True}, "memory_budget"),
     ({"activation_checkpointing_kwargs": {"use_reentrant": False, "prserve_rng_state": True}}, "prserve_rng_state"),
 ])
 def test_options_tracedac_would_not_honour_are_refused_and_point_to_the_documented_way(options, match):
@@ -175,6 +174,26 @@ def test_options_tracedac_would_not_honour_are_refused_and_point_to_the_document
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(CheckpointError, match="tracedac.integrations.hf.enable"):
         tracedac.checkpoint_call(torch.sin, torch.ones(1, requires_grad=True), use_reentrant=True)
+
+
+@pytest.mark.parametrize("policy", [policies.save_matmuls(), policies.memory_budget(0.3)])
+def test_offload_true_offloads_what_the_policy_keeps_with_the_same_gradients(policy):
+    """transformers' ``offload=True`` (``save_on_cpu`` around torch's checkpoint) becomes
+    ``offload_kept(policy)``: what the policy would keep on the device goes to host memory
+    instead, the gradients unchanged bit for bit. A later call without it keeps again."""
+    model, inputs = build("llama"), batch()
+    hf.enable(model, policy=policy)
+    want = grads(model, inputs)
+    kept = tracedac.saved_report(model, **inputs)
+    model.activation_checkpointing_enable(offload=True)
+    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.offload_kept(policy)
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), want, strict=True))  # (a cached plan)
+    moved = tracedac.saved_report(model, **inputs)
+    assert kept.kept_bytes > 0 and moved.kept_bytes == 0
+    assert moved.offloaded_bytes == kept.kept_bytes
+    model.activation_checkpointing_enable()
+    assert model.model.layers[0]._gradient_checkpointing_func.policy == policy
 
 
 def test_enable_refuses_a_model_without_transformers_switch():

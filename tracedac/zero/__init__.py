@@ -5,7 +5,7 @@ its own name; a unit's forward gathers its parameters just in time and releases 
 that backward turns into a second gather. See docs/design.md, "ZeRO-3".
 """
 
-from . import ops as _ops  # registers the tracedac:: ops (and, through gathered.py, regions' handles on gathered buffers)
+from . import ops as _ops  # noqa: F401 (registers the tracedac:: ops; through gathered.py, regions' handles)
 from .errors import ZeroError
 from .grad import clip_grad_norm_
 from .full import full_parameters

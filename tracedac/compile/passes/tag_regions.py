@@ -17,7 +17,8 @@ its users read that value instead). It then writes, on every annotated forward n
 - ``meta["recompute"]`` (and ``meta["tracedac_decision"]``, ``vocab.DECISION``): the
   region's decision. A node whose result the region keeps and backward reads (directly, or
   to replay something else) is ``MUST_SAVE``; a kept result nothing reads is
-  ``PREFER_SAVE`` (the partitioner may drop it); the rest keep the policy's RECOMPUTE
+  ``PREFER_SAVE`` (the partitioner may drop it), but a collective's (``decisions.effect``)
+  is ``MUST_SAVE`` whatever reads it: never recomputed; the rest keep the policy's RECOMPUTE
   decision. Views and ``getitem`` are ``PREFER_RECOMPUTE`` (free to rebuild
   from their base), or their base's decision for ``getitem``.
 - ``meta["ac_graph_id"]``: one id per region call (a run of consecutive forward nodes
@@ -39,7 +40,9 @@ import warnings
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ...decisions import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, is_offload, is_save, resolve
+from ...decisions import (
+    MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, effect, is_offload, is_save, resolve,
+)
 from ...errors import CheckpointError
 from ...planners import MemoryBudget, closure, min_cut_keep, planner_of, problem
 from ..fx_graph import build
@@ -171,8 +174,8 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
         boundary = {g.id for g in graph.groups if g.creator is not None and g.id in view.group_fx
                     and any(later(u) for u in view.group_fx[g.id].users)}
         p.items = [g for g in p.items if g not in boundary]  # kept whatever the plan: not a choice
-        p.reserved = sum(graph.groups[g].nbytes for g in boundary)
-        p.kept_anyway = frozenset(boundary)
+        p.reserved += sum(graph.groups[g].nbytes for g in boundary - p.kept_anyway)
+        p.kept_anyway |= boundary
     keep = planner.choose(p)
     if keep and getattr(policy, "offloads_kept", False):  # offload_kept(planner): what it keeps leaves the device
         _refuse_offload(graph.name, policy, graph.groups[min(keep)].node)
@@ -208,7 +211,7 @@ def _tag(view, wanted: set, ac_graph_id: int, nodes: list) -> None:
     for node in graph.nodes:
         n = view.fx_of[node.index]
         d = node.decision
-        if is_save(d):
+        if is_save(d) and effect(node.op) is None:  # a collective stays MUST_SAVE: never recomputed
             d = MUST_SAVE if any(o is not None and o.group in read for o in node.outputs) else PREFER_SAVE
         n.meta["recompute"] = n.meta[DECISION] = d
         n.meta["ac_graph_id"] = ac_graph_id

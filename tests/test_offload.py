@@ -1,0 +1,351 @@
+"""Offload as a third choice: a result the policy offloads is copied to host memory in the
+forward and brought back in backward (``tracedac.offload``).
+
+Oracles: eager autograd (values and gradients, bitwise), the same region keeping what is
+offloaded here (``save_all``/``save_ops``: offloading must change where a tensor lives,
+never its value), and storage weak references (what the device still holds after the
+forward). On the CPU host and device are one memory, so "the device holds nothing" is
+measured as the original storage being freed, not as allocator bytes (the copy is host
+memory too). The asynchronous CUDA path has its own test, run where a GPU is.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy
+
+import tracedac
+from tracedac import CheckpointError, checkpoint, policies
+from tracedac.region import reporting
+
+aten = torch.ops.aten
+
+
+def block(x, w1, w2, norm_w):
+    """A transformer-ish MLP block: matmuls, a label, a norm, dropout, an in-place op."""
+    h = tracedac.name(x @ w1, "up")
+    h = F.gelu(h).mul_(1.5)  # mul_ writes gelu's result, which its backward does not read
+    h = F.dropout(h, 0.25, training=True)
+    h = h @ w2
+    h = F.layer_norm(h, (h.shape[-1],), norm_w)
+    return (torch.tanh(h) + x).square().mean()
+
+
+def args(seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(16, 32), (32, 64), (64, 32), (32,)]
+    return [torch.randn(*s, generator=g).to(device).requires_grad_() for s in shapes]
+
+
+def run(fn, a, seed=1):
+    torch.manual_seed(seed)
+    out = fn(*a)
+    return out.detach(), torch.autograd.grad(out, a)
+
+
+def offload_mm(node):
+    return (
+        CheckpointPolicy.MUST_CPU_OFFLOAD if node.op is aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+    )
+
+
+def prefer_offload_all(node):
+    return CheckpointPolicy.PREFER_CPU_OFFLOAD
+
+
+OFFLOADING = {
+    "offload_ops(mm)": policies.offload_ops(aten.mm),
+    "offload_names('up')": policies.offload_names("up"),
+    "function -> MUST_CPU_OFFLOAD": offload_mm,
+    "function -> PREFER_CPU_OFFLOAD everywhere": prefer_offload_all,
+    "either(offload_ops(mm), memory_budget(0.3))": policies.either(
+        policies.offload_ops(aten.mm), policies.memory_budget(0.3)
+    ),
+    "either(offload_names('up'), min_cut())": policies.either(
+        policies.offload_names("up"), policies.min_cut()
+    ),
+    "offload_kept(save_all())": policies.offload_kept(policies.save_all()),
+    "offload_kept(memory_budget(0.3))": policies.offload_kept(policies.memory_budget(0.3)),
+}
+
+
+@pytest.mark.parametrize("policy", OFFLOADING.values(), ids=OFFLOADING.keys())
+def test_offloading_gives_eagers_values_and_gradients_bitwise_and_those_of_keeping(policy):
+    """Offloading moves a tensor, it never changes a bit: the copy back is the saved value,
+    and replay that starts from a host copy (the block's in-place op, dropout's mask) runs the
+    same kernels as eager. Twice: the second call of a planned region decides from the cached
+    plan while recording (offloading at once), the first at the region's end."""
+    a = args()
+    eager = run(block, a)
+    kept = run(checkpoint(block, policy=policies.save_all()), a)
+    f = checkpoint(block, policy=policy)
+    for _ in range(2):
+        got = run(f, a)
+        for want in (eager, kept):
+            assert torch.equal(got[0], want[0])
+            assert all(torch.equal(x, y) for x, y in zip(got[1], want[1], strict=True))
+
+
+def _storages(fn, a):
+    """Run ``fn`` forward with every result of ``aten.mm`` watched by a storage weak reference."""
+    refs = []
+
+    class Watch(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is aten.mm.default:
+                refs.append(out.untyped_storage()._weak_ref())
+            return out
+
+    with Watch():
+        out = fn(*a)
+    gc.collect()
+    alive = [not torch.UntypedStorage._expired(r) for r in refs]
+    for r in refs:
+        torch.UntypedStorage._free_weak_ref(r)
+    return out, alive
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        policies.offload_ops(aten.mm),
+        offload_mm,
+        policies.either(policies.offload_ops(aten.mm), policies.memory_budget(0.3)),
+    ],
+    ids=["offload_ops", "function", "either with memory_budget"],
+)
+def test_after_the_forward_the_device_holds_nothing_that_was_offloaded(policy):
+    """The point of offloading: the original storage is freed once the program lets go of it,
+    and the region holds only its host copy (counted as host bytes, not kept ones). Keeping
+    the same ops holds those storages alive, which shows the probe sees them."""
+    a = args()
+    out, alive = _storages(checkpoint(block, policy=policies.save_ops(aten.mm)), a)
+    assert alive == [True, True], "kept matmul results stay on the device"
+    del out
+    out, alive = _storages(checkpoint(block, policy=policy), a)
+    assert alive == [False, False], "offloaded matmul results are freed"
+    out.backward()
+    report = tracedac.saved_report(block, *a, policy=policy)
+    offloaded = [r for r in report.rows if r.kind == "offloaded"]
+    assert [r.op for r in offloaded] == ["aten.mm.default"] * 2
+    assert report.offloaded_bytes == (16 * 64 + 16 * 32) * 4
+    assert all("in host memory" in r.why for r in offloaded)
+    assert "offloaded to host 6.00 KiB" in str(report)
+    assert all(r.op != "aten.mm.default" for r in report.rows if r.kind == "activation")
+
+
+def test_planners_take_an_offload_as_given_and_spend_their_budget_on_the_rest():
+    """MUST_CPU_OFFLOAD binds a planner as a MUST does: the tensor is neither kept on the
+    device nor replayed, and costs none of the budget, which goes to other tensors."""
+    a = args()
+    for planner in (policies.memory_budget(0.3), policies.memory_budget(4096), policies.min_cut()):
+        report = tracedac.saved_report(
+            block, *a, policy=policies.either(policies.offload_ops(aten.mm), planner)
+        )
+        assert {r.op for r in report.rows if r.kind == "offloaded"} == {"aten.mm.default"}
+        assert all(r.op != "aten.mm.default" for r in report.rows if r.kind == "activation")
+        with reporting() as regions:
+            torch.manual_seed(1)
+            checkpoint(block, policy=policies.either(policies.offload_ops(aten.mm), planner))(*a).backward()
+        nodes = regions[0].graph.nodes
+        assert not any(nodes[i].op is aten.mm.default for i in regions[0].graph.plan.nodes), (
+            "no matmul replayed"
+        )
+        if planner == policies.memory_budget(4096):
+            assert report.kept_bytes <= 4096
+
+
+def test_offload_kept_offloads_what_the_planner_keeps():
+    """``offload_kept(memory_budget(b))``: the budget's choice, on the host instead of the device."""
+    a = args()
+    kept = tracedac.saved_report(block, *a, policy=policies.memory_budget(0.3))
+    moved = tracedac.saved_report(block, *a, policy=policies.offload_kept(policies.memory_budget(0.3)))
+    assert kept.kept_bytes > 0 and moved.kept_bytes == 0
+    assert moved.offloaded_bytes == kept.kept_bytes
+    assert moved.replayed_bytes == kept.replayed_bytes
+
+
+@pytest.mark.parametrize(
+    "keep", [policies.save_ops(aten.exp), policies.offload_ops(aten.exp)], ids=["kept", "offloaded"]
+)
+def test_a_result_changed_after_the_forward_is_refused_as_a_kept_one_is(keep):
+    """Eager autograd refuses a saved tensor modified in place before backward. A copy on the
+    host is immune to the write, but tracedac gives an offloaded tensor the semantics of a
+    kept one: the write is seen (a token sharing the tensor's version counter), and the value
+    is rebuilt from the graph or, when what it was computed from was not kept, refused by name."""
+    x = torch.randn(4, 4, requires_grad=True)
+    y = x.exp()
+    with torch.no_grad():
+        y.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(torch.ones_like(y))
+    y = checkpoint(lambda x: x.exp(), policy=keep)(x)
+    with torch.no_grad():
+        y.mul_(3)
+    word = "kept" if isinstance(keep, type(policies.save_ops(aten.exp))) else "offloaded to host"
+    with pytest.raises(
+        CheckpointError,
+        match=f"aten.exp.default .*{word} for backward, was modified in place after the forward",
+    ):
+        y.backward(torch.ones_like(y))
+
+
+@pytest.mark.parametrize(
+    "keep", [policies.save_ops(aten.exp), policies.offload_ops(aten.exp)], ids=["kept", "offloaded"]
+)
+def test_a_result_changed_later_in_the_region_gives_the_gradient_of_the_state_saved(keep):
+    """Eager refuses this too; tracedac answers it exactly, kept or offloaded: exp's backward
+    reads e as saved (the host copy was taken before the write, which waited for it on CUDA),
+    mul's reads it after the write."""
+
+    def f(x):
+        e = x.exp()
+        with torch.no_grad():
+            e.mul_(3)
+        return (e * x).sum()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    (g,) = torch.autograd.grad(checkpoint(f, policy=keep)(x), x)
+    e = x.detach().exp()
+    torch.testing.assert_close(g, 3 * e + x.detach() * e, rtol=1e-6, atol=1e-6)
+
+
+def test_a_saved_input_its_own_op_writes_is_read_after_the_write_as_in_eager():
+    """rrelu writes its noise, an input autograd saved, without bumping the version counter:
+    eager's backward reads the noise after the write. A copy taken when the noise was saved
+    holds the value before it, so it is not used; the copy taken after the write is."""
+
+    def f(x):
+        return F.rrelu(x * 1.0, training=True).sum()
+
+    x = torch.randn(64, requires_grad=True)
+    want = run(f, [x])
+    got = run(checkpoint(f, policy=prefer_offload_all), [x])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
+
+
+def test_nested_regions_offload_and_give_eagers_gradients():
+    """An inner region's input that the outer region computed is the outer one's handle: with
+    both regions offloading, the inner replay reads through the outer's host copies."""
+    inner = checkpoint(lambda h, w: F.gelu(h @ w), policy=policies.offload_ops(aten.mm))
+
+    def outer(x, w1, w2):
+        return (inner(x @ w1, w2) @ w2.t()).tanh().sum()
+
+    a = args()[:3]
+    want = run(outer, a)
+    got = run(checkpoint(outer, policy=policies.offload_kept(policies.save_all())), a)
+    assert torch.equal(got[0], want[0]) and all(
+        torch.equal(x, y) for x, y in zip(got[1], want[1], strict=True)
+    )
+
+
+def test_offload_factories_print_as_their_call_compare_by_value_and_check_their_inputs():
+    """As save_ops and save_names: frozen, hashable (a plan cache key), held by id."""
+    assert repr(policies.offload_ops(aten.mm, aten.bmm.default)) == "offload_ops(aten.bmm.default, aten.mm)"
+    assert repr(policies.offload_names("b", "a")) == "offload_names('a', 'b')"
+    assert repr(policies.offload_kept(policies.memory_budget(0.3))) == "offload_kept(memory_budget(0.3))"
+    assert policies.offload_ops(aten.mm) == policies.offload_ops(aten.mm)
+    assert hash(policies.offload_names("a")) == hash(policies.offload_names("a"))
+    with pytest.raises(ValueError, match=r"offload_ops\(\) needs at least one op"):
+        policies.offload_ops()
+    with pytest.raises(TypeError, match=r"For 'mm', pass torch.ops.aten.mm"):
+        policies.offload_ops("mm")
+    with pytest.raises(TypeError, match=r"offload_names\(\) takes non-empty strings"):
+        policies.offload_names("")
+    with pytest.raises(TypeError, match="a policy is a callable"):
+        policies.offload_kept(3)
+    with pytest.raises(ValueError, match=r"offload_kept\(either\(...\)\)"):
+        policies.either(policies.offload_kept(policies.min_cut()), policies.save_matmuls())
+
+
+def test_either_lets_a_must_offload_beat_a_prefer_and_refuses_two_different_musts():
+    """Offload is a MUST like the others: it overrides save_all's PREFER, and a MUST_SAVE of the
+    same op cannot also be honoured (kept on the device and moved off it)."""
+    x = torch.randn(8, 8, requires_grad=True)
+    report = tracedac.saved_report(
+        lambda x: x.exp().sin().cos(),
+        x,
+        policy=policies.either(policies.save_all(), policies.offload_ops(aten.exp)),
+    )
+    assert {r.op: r.kind for r in report.rows} == {
+        "aten.exp.default": "offloaded",
+        "aten.sin.default": "activation",
+    }
+    with pytest.raises(CheckpointError, match="One must keep it and another must offload it"):
+        checkpoint(
+            lambda x: x.exp(),
+            policy=policies.either(policies.save_ops(aten.exp), policies.offload_ops(aten.exp)),
+        )(x)
+
+
+def test_offload_under_torch_compile_is_refused_at_compile_time_with_what_to_use():
+    """torch's partitioner (2.13) does not act on CPU_OFFLOAD tags (torch's own selective
+    checkpointing compiled saves such a result on the device): refused rather than kept
+    silently on the device."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    w = torch.randn(16, 16, requires_grad=True)
+    f = checkpoint(lambda x: (x @ w).tanh(), policy=policies.offload_ops(aten.mm))
+    c = torch.compile(lambda x: f(x).sum(), backend="aot_eager_decomp_partition", fullgraph=True)
+    with pytest.raises(Exception) as err:
+        c(torch.randn(4, 16, requires_grad=True)).backward()
+    cause = getattr(err.value, "inner_exception", err.value)  # dynamo wraps a backend's error
+    assert isinstance(cause, CheckpointError), repr(err.value)
+    assert f"offload under torch.compile is not supported by torch {torch.__version__}'s partitioner" in str(
+        cause
+    )
+    assert "use eager or a keep/replay policy" in str(cause)
+    torch._dynamo.reset()
+    # offload_kept of a policy that keeps nothing offloads nothing: compiled as it is
+    g = checkpoint(lambda x: (x @ w).tanh(), policy=policies.offload_kept(policies.recompute_all()))
+    torch.compile(lambda x: g(x).sum(), backend="aot_eager_decomp_partition", fullgraph=True)(
+        torch.randn(4, 16, requires_grad=True)
+    ).backward()
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_copy_is_pinned_asynchronous_and_the_device_memory_goes():
+    """CUDA: copies to pinned host memory on a side stream, the original's block released to
+    the allocator once the program drops it, the values back bitwise; a write the region
+    records right after the copy waits for it (the copy holds the state before the write)."""
+    from tracedac.graph import TensorMeta
+    from tracedac.offload import HostCopy
+
+    a = args(device="cuda")
+    eager = run(block, a)
+    keep = checkpoint(block, policy=policies.save_ops(aten.mm))
+    off = checkpoint(block, policy=policies.offload_ops(aten.mm))
+    for f in (keep, off):  # warm up: the caching allocator's pools, cuBLAS workspaces
+        run(f, a)
+    held = {}
+    for name, f in (("keep", keep), ("offload", off)):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.manual_seed(1)
+        out = f(*a)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # frees blocks whose side-stream use (record_stream) has ended
+        held[name] = torch.cuda.memory_allocated() - before
+        out.backward()
+        del out
+    assert held["keep"] - held["offload"] >= (16 * 64 + 16 * 32) * 4
+    got = run(off, a)
+    assert torch.equal(got[0], eager[0])
+    assert all(torch.equal(x, y) for x, y in zip(got[1], eager[1], strict=True))
+    t = torch.randn(1 << 22, device="cuda")
+    value = t.clone()
+    copy = HostCopy(t, 0)
+    assert copy.host.is_pinned() and copy.event is not None
+    copy.before_write()
+    t.add_(1)  # ordered after the copy: it holds the value before
+    assert torch.equal(copy.host.view(torch.float32).cuda(), value)
+    assert torch.equal(copy.fetch(TensorMeta(0, 0, torch.float32, tuple(t.shape), t.stride(), 0)), value)
