@@ -37,50 +37,101 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--layers", type=int, default=default.layers, help="transformer blocks (%(default)s)")
     size.add_argument("--dim", type=int, default=default.dim, help="hidden size (%(default)s)")
     size.add_argument("--heads", type=int, default=default.heads, help="attention heads (%(default)s)")
-    size.add_argument("--experts", type=int, default=default.experts, help="MoE experts per block (%(default)s)")
+    size.add_argument(
+        "--experts", type=int, default=default.experts, help="MoE experts per block (%(default)s)"
+    )
     size.add_argument("--top-k", type=int, default=default.top_k, help="experts per token (%(default)s)")
-    size.add_argument("--expert-hidden", type=int, default=default.expert_hidden,
-                      help="width of each expert's feed-forward (%(default)s)")
+    size.add_argument(
+        "--expert-hidden",
+        type=int,
+        default=default.expert_hidden,
+        help="width of each expert's feed-forward (%(default)s)",
+    )
     size.add_argument("--vocab", type=int, default=default.vocab, help="vocabulary size (%(default)s)")
     size.add_argument("--batch", type=int, default=default.batch, help="sequences per step (%(default)s)")
-    size.add_argument("--dropout", type=float, default=default.dropout, help="dropout probability (%(default)s)")
+    size.add_argument(
+        "--dropout", type=float, default=default.dropout, help="dropout probability (%(default)s)"
+    )
     size.add_argument("--seq", type=int, default=default.seq, help="tokens per sequence (%(default)s)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per variant, after one untimed "
-                   "(8; 3 with --planners; 4 with --zero, whose bf16 steps take seconds on CPUs without AVX512-BF16)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per variant, after one untimed "
+        "(8; 3 with --planners; 4 with --zero, whose bf16 steps take seconds on CPUs without AVX512-BF16)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (%(default)s)")
-    p.add_argument("--quick", action="store_true", help="a tiny built-in model (size flags are ignored) and at most two steps: "
-                   "checks the set-up in seconds")
-    p.add_argument("--kernels", action="store_true", help="run the kernel benchmark instead of the comparison")
-    p.add_argument("--planners", action="store_true",
-                   help="run the planner benchmark instead: memory_budget at budgets 0.0 to 1.0 against "
-                   "torch.compile's activation_memory_budget on a 2-layer Llama (size flags are ignored; "
-                   "--steps, --quick, --json, --quiet, --system-malloc apply)")
-    p.add_argument("--compile", action="store_true",
-                   help="compare checkpointing inside one torch.compile graph instead (inductor, fullgraph=True; "
-                   "the MoE model with fixed-capacity routing; size flags, --steps, --quick, --json apply); "
-                   "with --zero: tracedac.zero compiled against FSDP2 compiled and against itself eager")
-    p.add_argument("--profile", action="store_true", help="profile one step instead (torch.profiler): the "
-                   "recorded forward and the replaying backward of tracedac recompute_all beside the plain "
-                   "model's, time inside aten ops and outside them, the costliest ops (see profile.py); with "
-                   "--llama, of the Llama-style decoder")
-    p.add_argument("--llama", action="store_true", help="time a Llama-style decoder instead (llama_steps.py): "
-                   "torch's checkpoint (eager, selective, under torch.compile) against tracedac's policies and "
-                   "compiled replay; on cuda at the issue's size in bf16 (size flags are ignored; --steps, --quick, "
-                   "--json, --only apply)")
-    p.add_argument("--only", metavar="KEYS", help="with --llama: a comma-separated subset of its variants "
-                   "(none, torch, torch_sac, tracedac_recompute_all, tracedac_save_matmuls, "
-                   "tracedac_compiled_replay, torch_compile)")
-    p.add_argument("--compiled-replay", action="store_true", help="replay through compiled functions "
-                   "(tracedac.compiled_replay(True)) in every tracedac variant")
-    p.add_argument("--zero", action="store_true", help="compare ZeRO-3 implementations instead; run it as "
-                   "`torchrun --nproc-per-node 2 -m benchmarks --zero`")
-    p.add_argument("--init-method", default="env://", help="with --zero: the process group's rendezvous "
-                   "(%(default)s, as torchrun sets it; or file:///PATH, with RANK and WORLD_SIZE in the environment)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny built-in model (size flags are ignored) and at most two steps: "
+        "checks the set-up in seconds",
+    )
+    p.add_argument(
+        "--kernels", action="store_true", help="run the kernel benchmark instead of the comparison"
+    )
+    p.add_argument(
+        "--planners",
+        action="store_true",
+        help="run the planner benchmark instead: memory_budget at budgets 0.0 to 1.0 against "
+        "torch.compile's activation_memory_budget on a 2-layer Llama (size flags are ignored; "
+        "--steps, --quick, --json, --quiet, --system-malloc apply)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compare checkpointing inside one torch.compile graph instead (inductor, fullgraph=True; "
+        "the MoE model with fixed-capacity routing; size flags, --steps, --quick, --json apply); "
+        "with --zero: tracedac.zero compiled against FSDP2 compiled and against itself eager",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one step instead (torch.profiler): the "
+        "recorded forward and the replaying backward of tracedac recompute_all beside the plain "
+        "model's, time inside aten ops and outside them, the costliest ops (see profile.py); with "
+        "--llama, of the Llama-style decoder",
+    )
+    p.add_argument(
+        "--llama",
+        action="store_true",
+        help="time a Llama-style decoder instead (llama_steps.py): "
+        "torch's checkpoint (eager, selective, under torch.compile) against tracedac's policies and "
+        "compiled replay; on cuda at the issue's size in bf16 (size flags are ignored; --steps, --quick, "
+        "--json, --only apply)",
+    )
+    p.add_argument(
+        "--only",
+        metavar="KEYS",
+        help="with --llama: a comma-separated subset of its variants "
+        "(none, torch, torch_sac, tracedac_recompute_all, tracedac_save_matmuls, "
+        "tracedac_compiled_replay, torch_compile)",
+    )
+    p.add_argument(
+        "--compiled-replay",
+        action="store_true",
+        help="replay through compiled functions (tracedac.compiled_replay(True)) in every tracedac variant",
+    )
+    p.add_argument(
+        "--zero",
+        action="store_true",
+        help="compare ZeRO-3 implementations instead; run it as "
+        "`torchrun --nproc-per-node 2 -m benchmarks --zero`",
+    )
+    p.add_argument(
+        "--init-method",
+        default="env://",
+        help="with --zero: the process group's rendezvous "
+        "(%(default)s, as torchrun sets it; or file:///PATH, with RANK and WORLD_SIZE in the environment)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.add_argument("--system-malloc", action="store_true",
-                   help="time with glibc's default behaviour of returning freed memory to the OS "
-                   "(by default freed memory is kept for reuse, as torch's CUDA allocator does: see probe.py)")
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="time with glibc's default behaviour of returning freed memory to the OS "
+        "(by default freed memory is kept for reuse, as torch's CUDA allocator does: see probe.py)",
+    )
     return p
 
 
@@ -110,8 +161,10 @@ def main(argv=None) -> int:
         except ModuleNotFoundError as e:
             if e.name != f"{__package__}.kernels":
                 raise
-            parser.error("--kernels runs benchmarks/kernels.py, which this checkout does not have; "
-                         "run without --kernels for the checkpointing comparison.")
+            parser.error(
+                "--kernels runs benchmarks/kernels.py, which this checkout does not have; "
+                "run without --kernels for the checkpointing comparison."
+            )
         figures = kernels.run(quick=args.quick)
         print(json.dumps(figures, indent=2, default=str))
     elif args.planners:
@@ -124,8 +177,12 @@ def main(argv=None) -> int:
             planners.check_settings(planners.QUICK if args.quick else LlamaConfig(), args.steps, args.device)
         except (ValueError, probe.ProbeUnavailable) as e:
             parser.error(str(e))
-        figures = planners.run(steps=args.steps, quick=args.quick, progress=None if args.quiet else sys.stderr,
-                               system_malloc=args.system_malloc)
+        figures = planners.run(
+            steps=args.steps,
+            quick=args.quick,
+            progress=None if args.quiet else sys.stderr,
+            system_malloc=args.system_malloc,
+        )
         print(planners.format_report(figures))
     elif args.zero:  # with --compile too: the compiled ZeRO rows
         return _zero(parser, args)
@@ -137,14 +194,22 @@ def main(argv=None) -> int:
             cfg.check()
         except ValueError as e:
             parser.error(str(e))
-        figures = compiled.run(cfg, steps=args.steps or compiled.STEPS, quick=args.quick,
-                               progress=None if args.quiet else sys.stderr)
+        figures = compiled.run(
+            cfg,
+            steps=args.steps or compiled.STEPS,
+            quick=args.quick,
+            progress=None if args.quiet else sys.stderr,
+        )
         print(compiled.format_report(figures))
     elif args.profile:
         from . import checkpointing, llama_steps, profile
 
         if args.llama:
-            cfg = llama_steps.QUICK if args.quick else (llama_steps.CUDA if args.device.startswith("cuda") else llama_steps.CPU)
+            cfg = (
+                llama_steps.QUICK
+                if args.quick
+                else (llama_steps.CUDA if args.device.startswith("cuda") else llama_steps.CPU)
+            )
         else:
             cfg = checkpointing.QUICK if args.quick else _config(args)
         try:
@@ -164,9 +229,13 @@ def main(argv=None) -> int:
         unknown = set(only or ()) - {v.key for v in llama_steps.VARIANTS}
         if unknown:
             parser.error(f"--only names unknown variants {sorted(unknown)}")
-        figures = llama_steps.run(llama_steps.QUICK if args.quick else None, device=args.device,
-                                  steps=args.steps or (2 if args.quick else 5), variants=only,
-                                  progress=None if args.quiet else sys.stderr)
+        figures = llama_steps.run(
+            llama_steps.QUICK if args.quick else None,
+            device=args.device,
+            steps=args.steps or (2 if args.quick else 5),
+            variants=only,
+            progress=None if args.quiet else sys.stderr,
+        )
         print(llama_steps.format_report(figures))
     else:
         from . import checkpointing, probe
@@ -178,8 +247,14 @@ def main(argv=None) -> int:
             checkpointing.check_settings(checkpointing.QUICK if args.quick else cfg, args.steps, args.device)
         except (ValueError, probe.ProbeUnavailable) as e:
             parser.error(str(e))
-        figures = checkpointing.run(cfg, steps=args.steps, device=args.device, quick=args.quick,
-                                    progress=None if args.quiet else sys.stderr, system_malloc=args.system_malloc)
+        figures = checkpointing.run(
+            cfg,
+            steps=args.steps,
+            device=args.device,
+            quick=args.quick,
+            progress=None if args.quiet else sys.stderr,
+            system_malloc=args.system_malloc,
+        )
         print(checkpointing.format_report(figures))
     if args.json:
         _write_json(args.json, figures)
@@ -194,15 +269,24 @@ def _zero(parser: argparse.ArgumentParser, args) -> int:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         parser.error(zero.NOT_DISTRIBUTED)
     try:
-        zero.check_settings(zero.QUICK if args.quick else _config(args), args.steps, args.device,
-                            int(os.environ["WORLD_SIZE"]))
+        zero.check_settings(
+            zero.QUICK if args.quick else _config(args),
+            args.steps,
+            args.device,
+            int(os.environ["WORLD_SIZE"]),
+        )
     except (ValueError, probe.ProbeUnavailable) as e:
         parser.error(str(e))
     rank = zero.init(args.init_method)
     try:
-        figures = zero.run(_config(args), steps=args.steps, quick=args.quick,
-                           progress=None if args.quiet else sys.stderr, system_malloc=args.system_malloc,
-                           compile=args.compile)
+        figures = zero.run(
+            _config(args),
+            steps=args.steps,
+            quick=args.quick,
+            progress=None if args.quiet else sys.stderr,
+            system_malloc=args.system_malloc,
+            compile=args.compile,
+        )
     finally:
         zero.finish()
     if rank == 0:  # one table and one file, however many ranks

@@ -51,7 +51,17 @@ import torch
 import tracedac
 
 from . import floors, probe
-from .child import Progress, clear_grads, mib, run_child, seeded_step, table, target, target_lines, time_in_turns
+from .child import (
+    Progress,
+    clear_grads,
+    mib,
+    run_child,
+    seeded_step,
+    table,
+    target,
+    target_lines,
+    time_in_turns,
+)
 from .model import GPT, Block, Config, make_batch
 from .variants import VARIANTS
 
@@ -169,8 +179,11 @@ def _check_variants(cfg: Config, device: torch.device, say) -> dict[str, dict]:
 def child_checks(spec: dict) -> dict[str, dict]:
     """Entry point of the child interpreter: ``spec`` holds the config, device and thread count."""
     torch.set_num_threads(spec["threads"])
-    return _check_variants(Config(**spec["config"]), torch.device(spec["device"]),
-                           lambda message: print(message, file=sys.stderr, flush=True))
+    return _check_variants(
+        Config(**spec["config"]),
+        torch.device(spec["device"]),
+        lambda message: print(message, file=sys.stderr, flush=True),
+    )
 
 
 _CHILD = (
@@ -190,10 +203,14 @@ def _checks_in_child(cfg: Config, device: torch.device, say) -> dict[str, dict]:
     Timing stays in this process, with CPython's usual allocator.
     """
     spec = {"config": asdict(cfg), "device": str(device), "threads": torch.get_num_threads()}
-    return run_child(_CHILD, spec, say, "checks gradients and measures memory", "python -m benchmarks --quick")
+    return run_child(
+        _CHILD, spec, say, "checks gradients and measures memory", "python -m benchmarks --quick"
+    )
 
 
-def _time_variants(cfg: Config, steps: int, device: torch.device, say) -> dict[str, list[tuple[float, float]]]:
+def _time_variants(
+    cfg: Config, steps: int, device: torch.device, say
+) -> dict[str, list[tuple[float, float]]]:
     """(forward, backward) wall times of each step per variant, taking turns (see module doc)."""
     base = GPT.seeded(cfg).to(device)
     batch = tuple(t.to(device) for t in make_batch(cfg))
@@ -221,8 +238,13 @@ def _compare(cfg: Config, steps: int, device: torch.device, say) -> list[dict]:
     plain = statistics.median(f + b for f, b in split["none"])
     rows = []
     for variant in VARIANTS:
-        row = {"key": variant.key, "label": variant.label, "tracedac": variant.tracedac,
-               "true_tokens": cfg.tokens * cfg.top_k * cfg.layers, **checked[variant.key]}
+        row = {
+            "key": variant.key,
+            "label": variant.label,
+            "tracedac": variant.tracedac,
+            "true_tokens": cfg.tokens * cfg.top_k * cfg.layers,
+            **checked[variant.key],
+        }
         if variant.key in split:
             row["step_times_s"] = [f + b for f, b in split[variant.key]]
             row["step_s"] = statistics.median(row["step_times_s"])
@@ -282,14 +304,26 @@ def _targets(rows: list[dict], tracing: dict) -> list[dict]:
         return None if x is None or y is None else x / y
 
     return [
-        target("tracedac recompute_all step time / torch.utils.checkpoint",
-               ratio("tracedac_recompute_all", "torch", "step_s"), 1.00),
-        target("tracedac recompute_all step time / no checkpoint",
-               ratio("tracedac_recompute_all", "none", "step_s"), 1.40),
-        target("tracedac save_matmuls bytes held / torch selective",
-               ratio("tracedac_save_matmuls", "torch_sac", "bytes_held"), 1.00),
-        target("tracedac save_matmuls step time / torch selective",
-               ratio("tracedac_save_matmuls", "torch_sac", "step_s"), 1.00),
+        target(
+            "tracedac recompute_all step time / torch.utils.checkpoint",
+            ratio("tracedac_recompute_all", "torch", "step_s"),
+            1.00,
+        ),
+        target(
+            "tracedac recompute_all step time / no checkpoint",
+            ratio("tracedac_recompute_all", "none", "step_s"),
+            1.40,
+        ),
+        target(
+            "tracedac save_matmuls bytes held / torch selective",
+            ratio("tracedac_save_matmuls", "torch_sac", "bytes_held"),
+            1.00,
+        ),
+        target(
+            "tracedac save_matmuls step time / torch selective",
+            ratio("tracedac_save_matmuls", "torch_sac", "step_s"),
+            1.00,
+        ),
         target(f"traced forward / plain forward at dim {tracing['dim']}", tracing["ratio"], 1.10),
     ]
 
@@ -310,13 +344,22 @@ def check_settings(cfg: Config, steps: int, device: str) -> tuple[Config, torch.
     except RuntimeError as e:
         raise ValueError(f"{device!r} is not a device torch knows ({e}); use cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but torch {torch.__version__} sees no CUDA device; use cpu")
+        raise ValueError(
+            f"device {device!r} was asked for, but torch {torch.__version__} sees no CUDA device; use cpu"
+        )
     probe.allocated_bytes(dev)  # raises ProbeUnavailable where the allocator cannot be read
     return trace_cfg, dev
 
 
-def run(cfg: Config = Config(), *, steps: int = STEPS, device: str = "cpu", quick: bool = False,
-        progress: TextIO | None = sys.stderr, system_malloc: bool = False) -> dict:
+def run(
+    cfg: Config = Config(),
+    *,
+    steps: int = STEPS,
+    device: str = "cpu",
+    quick: bool = False,
+    progress: TextIO | None = sys.stderr,
+    system_malloc: bool = False,
+) -> dict:
     """Run the comparison and the tracing-overhead section; return every figure.
 
     ``quick`` swaps in ``QUICK`` (a tiny model) for ``cfg``, at most two timed steps, and a
@@ -334,10 +377,12 @@ def run(cfg: Config = Config(), *, steps: int = STEPS, device: str = "cpu", quic
     start = time.perf_counter()
     load = os.getloadavg()[0]  # before any work of ours: what else runs on the machine
     if dev.type == "cpu" and load >= 1.0 and "OMP_WAIT_POLICY" not in os.environ:
-        say(f"warning: load average {load:.1f} before the run: other processes use the CPUs. Idle "
+        say(
+            f"warning: load average {load:.1f} before the run: other processes use the CPUs. Idle "
             "OpenMP workers spin by default, so on a busy machine torch's threads stall each other "
             "and step times can come out several times too slow and far apart. Run on an idle "
-            "machine, or with OMP_WAIT_POLICY=passive in the environment.")
+            "machine, or with OMP_WAIT_POLICY=passive in the environment."
+        )
     steady = dev.type == "cpu" and not system_malloc and probe.keep_freed_memory()
     rows = _compare(cfg, steps, dev, say)
     tracing = _tracing(trace_cfg, steps, dev, say)
@@ -387,14 +432,24 @@ def format_report(result: dict) -> str:
     """The figures of ``run`` as a table, the tracing section, and the targets with marks."""
     cfg = result["config"]
     true_tokens = result["variants"][0]["true_tokens"]
-    header = ["variant", "step (median)", "vs none", "forward", "backward", "held after fwd", "of it Python", "max |grad diff|",
-              f"MoE tokens (true {true_tokens})"]
+    header = [
+        "variant",
+        "step (median)",
+        "vs none",
+        "forward",
+        "backward",
+        "held after fwd",
+        "of it Python",
+        "max |grad diff|",
+        f"MoE tokens (true {true_tokens})",
+    ]
     out = [
         f"model: {cfg['layers']} blocks, dim {cfg['dim']}, {cfg['heads']} heads, {cfg['experts']} experts "
         f"(top {cfg['top_k']}, width {cfg['expert_hidden']}), batch {cfg['batch']}x{cfg['seq']} tokens, "
         f"vocab {cfg['vocab']}, dropout {cfg['dropout']}",
         f"device {result['device']}, {result['threads']} threads, torch {result['torch']}; "
-        f"{result['steps']} timed steps per variant; timing allocator: {result.get('timing_allocator', 'default')}; "
+        f"{result['steps']} timed steps per variant; "
+        f"timing allocator: {result.get('timing_allocator', 'default')}; "
         f"memory: {result['probe']}",
         "",
         *table(header, [_row_cells(r) for r in result["variants"]]),
@@ -404,8 +459,16 @@ def format_report(result: dict) -> str:
     out.append(f"forward only at dim {t['dim']} (median of {t['forwards']} each):")
     for label, key, note in (
         ("plain", "plain", ""),
-        ("under an empty TorchDispatchMode", "empty_mode", "what any recorder in Python pays before recording"),
-        ("recorded by the least recorder", "least_recorder", "the least any recorder in Python must do (benchmarks/floors.py)"),
+        (
+            "under an empty TorchDispatchMode",
+            "empty_mode",
+            "what any recorder in Python pays before recording",
+        ),
+        (
+            "recorded by the least recorder",
+            "least_recorder",
+            "the least any recorder in Python must do (benchmarks/floors.py)",
+        ),
         ("recorded by tracedac", "traced", ""),
     ):
         ratio = 1.0 if key == "plain" else t[_ratio_key(key)]

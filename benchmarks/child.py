@@ -14,8 +14,20 @@ from typing import TextIO
 
 import torch
 
-__all__ = ["Progress", "clear_grads", "conditions_line", "mark", "mib", "run_child", "seeded_step", "table",
-           "goal_line", "target", "target_lines", "time_in_turns"]
+__all__ = [
+    "Progress",
+    "clear_grads",
+    "conditions_line",
+    "mark",
+    "mib",
+    "run_child",
+    "seeded_step",
+    "table",
+    "goal_line",
+    "target",
+    "target_lines",
+    "time_in_turns",
+]
 
 # The checkout's root, where ``benchmarks`` is importable from (it is not installed): a child
 # interpreter runs there.
@@ -41,7 +53,8 @@ def clear_grads(model: torch.nn.Module) -> None:
 
 
 def seeded_step(model: torch.nn.Module, batch, seed: int) -> None:
-    """Forward and backward of ``model(*batch)`` (which returns the loss) after ``torch.manual_seed(seed)``."""
+    """Forward and backward of ``model(*batch)`` (which returns the loss) after
+    ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
     model(*batch).backward()
 
@@ -51,14 +64,21 @@ def run_child(source: str, spec: dict, say, what: str, retry: str) -> dict:
     interpreter where every allocation goes through glibc (``PYTHONMALLOC=malloc``), so the
     allocator probe counts Python objects too, and glibc's per-thread cache of freed small
     chunks is off (``tcache_count=0``): ``mallinfo2`` counts a chunk parked there as in use,
-    which made the same forward read tens of KiB apart from run to run. Lines it writes to stderr starting with ``[``
-    are progress, passed to ``say``; a failure raises with the rest of its output, ``what``
-    it was doing and the command (``retry``) that checks the set-up. It runs in the checkout's
-    root (``ROOT``), so that it imports ``benchmarks`` whatever the caller's directory."""
+    which made the same forward read tens of KiB apart from run to run. Lines it writes to
+    stderr starting with ``[`` are progress, passed to ``say``; a failure raises with the rest
+    of its output, ``what`` it was doing and the command (``retry``) that checks the set-up.
+    It runs in the checkout's root (``ROOT``), so that it imports ``benchmarks`` whatever
+    the caller's directory."""
     tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.tcache_count=0") if t)
     env = dict(os.environ, PYTHONMALLOC="malloc", GLIBC_TUNABLES=tunables)
-    proc = subprocess.Popen([sys.executable, "-c", source, json.dumps(spec)], env=env, text=True, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", source, json.dumps(spec)],
+        env=env,
+        text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     errors = []
     for line in proc.stderr:  # progress lines; anything else is kept for an error message
         line = line.rstrip("\n")
@@ -83,7 +103,7 @@ def time_in_turns(keys, steps: int, timed_step, say, what: str = "timing") -> di
     times: dict[str, list] = {k: [] for k in keys}
     order = list(keys)
     for rep in range(steps):
-        for key in order[rep % len(order):] + order[:rep % len(order)]:
+        for key in order[rep % len(order) :] + order[: rep % len(order)]:
             gc.collect()
             times[key].append(timed_step(key, rep))
         say(f"{what}: step {rep + 1}/{steps} done for {len(order)} variants")
@@ -113,7 +133,10 @@ def table(header: list[str], cells: list[list[str]]) -> list[str]:
 
 # Goals, not tests: a figure of one run on one machine (a loaded 2-core CPU misses what a
 # quiet one meets). Printed as met/missed so that no line reads as a broken install.
-GOALS = "goals (what this run reached against the project's performance goals; a missed goal is a figure, not an error):"
+GOALS = (
+    "goals (what this run reached against the project's performance goals; "
+    "a missed goal is a figure, not an error):"
+)
 
 
 def mark(passed: bool | None) -> str:
@@ -129,8 +152,10 @@ def goal_line(t: dict) -> str:
 
 def conditions_line(result: dict) -> str:
     """The run's wall time and the load on the machine before it, after a blank line."""
-    return (f"\nwall time {result['wall_s']:.1f}s; load average {result['load_average_before']:.1f} "
-            f"on {result['cpus']} CPUs before the run (other processes skew timings)")
+    return (
+        f"\nwall time {result['wall_s']:.1f}s; load average {result['load_average_before']:.1f} "
+        f"on {result['cpus']} CPUs before the run (other processes skew timings)"
+    )
 
 
 def target_lines(result: dict) -> list[str]:

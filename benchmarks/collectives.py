@@ -91,7 +91,9 @@ class AllGatherCounter(TorchDispatchMode):
             # No device kernel to enter (a meta-only or Python-key-only op): run it as any other.
             return func(*args, **kwargs)
         with self:
-            return func.redispatch(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)), *args, **kwargs)
+            return func.redispatch(
+                torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)), *args, **kwargs
+            )
 
     def total(self) -> int:
         """Bytes gathered, all dtypes together."""

@@ -75,14 +75,23 @@ VARIANTS: tuple[CompiledVariant, ...] = (
     CompiledVariant("none", "no checkpoint", _no_checkpoint),
     CompiledVariant("torch", "torch checkpoint", _torch_checkpoint),
     CompiledVariant("torch_sac", "torch selective (matmuls)", _torch_selective),
-    CompiledVariant("torch_budget", "torch activation_memory_budget=0.5", _no_checkpoint,
-                    functorch={"activation_memory_budget": 0.5}),
+    CompiledVariant(
+        "torch_budget",
+        "torch activation_memory_budget=0.5",
+        _no_checkpoint,
+        functorch={"activation_memory_budget": 0.5},
+    ),
     CompiledVariant("tracedac_recompute_all", "tracedac recompute_all", _tracedac(P.recompute_all())),
     CompiledVariant("tracedac_save_matmuls", "tracedac save_matmuls", _tracedac(P.save_matmuls())),
     CompiledVariant("tracedac_budget", "tracedac memory_budget(0.5)", _tracedac(P.memory_budget(0.5))),
-    CompiledVariant("tracedac_mix", "tracedac memory_budget 0.25/0.75", _tracedac(P.memory_budget(0.25),
-                                                                                 P.memory_budget(0.75))),
-    CompiledVariant("tracedac_eager", "tracedac recompute_all, eager", _tracedac(P.recompute_all()), compiled=False),
+    CompiledVariant(
+        "tracedac_mix",
+        "tracedac memory_budget 0.25/0.75",
+        _tracedac(P.memory_budget(0.25), P.memory_budget(0.75)),
+    ),
+    CompiledVariant(
+        "tracedac_eager", "tracedac recompute_all, eager", _tracedac(P.recompute_all()), compiled=False
+    ),
 )
 
 
@@ -165,11 +174,18 @@ def _in_turns(base: GPT, batch, cfg: Config, steps: int, say) -> dict[str, list]
             clear_grads(models[key])
         frames = counters["frames"]["total"]
 
-        times = time_in_turns(list(models), steps, lambda key, rep: _timed_step(models[key], batch, cfg, rep), say,
-                              "step times in turns")
+        times = time_in_turns(
+            list(models),
+            steps,
+            lambda key, rep: _timed_step(models[key], batch, cfg, rep),
+            say,
+            "step times in turns",
+        )
         if counters["frames"]["total"] != frames:
-            raise RuntimeError("a variant recompiled while the step times were taken in turns: its times include "
-                               "a compile. Report this with the bench's output.")
+            raise RuntimeError(
+                "a variant recompiled while the step times were taken in turns: its times include "
+                "a compile. Report this with the bench's output."
+            )
     for m in models.values():
         clear_grads(m)
     torch._dynamo.reset()
@@ -179,7 +195,7 @@ def _in_turns(base: GPT, batch, cfg: Config, steps: int, say) -> dict[str, list]
 def _equal_bytes(curve: dict, who: str = "tracedac, one region") -> float | None:
     """tracedac memory_budget(0.5)'s replay FLOPs over torch's at the same bytes saved (``who``:
     the one-region point, the same scope as torch's budget, or the per-block one)."""
-    (_, nbytes, flops), = [p for p in curve[who] if p[0] == 0.5]
+    ((_, nbytes, flops),) = [p for p in curve[who] if p[0] == 0.5]
     theirs = frontier.at_bytes(curve["torch"], nbytes)
     if theirs is None:
         return None
@@ -191,24 +207,56 @@ def _targets(rows: dict, curve: dict) -> list[dict]:
         x, y = rows.get(a, {}).get(f), rows.get(b, {}).get(f)
         return None if x is None or not y else x / y
 
-    breaks = [r.get("graph_breaks") for k, r in rows.items() if k.startswith("tracedac_") and k != "tracedac_eager"]
+    breaks = [
+        r.get("graph_breaks") for k, r in rows.items() if k.startswith("tracedac_") and k != "tracedac_eager"
+    ]
     out = [
-        target("graph breaks, tracedac variants", float(max(breaks)) if breaks and None not in breaks else None, 0, ""),
-        target("tracedac recompute_all held / torch checkpoint", ratio("tracedac_recompute_all", "torch", "bytes_held"),
-               1.00),
-        target("tracedac recompute_all step / torch checkpoint", ratio("tracedac_recompute_all", "torch", "step_s"), 1.02),
-        target("tracedac save_matmuls held / torch selective", ratio("tracedac_save_matmuls", "torch_sac", "bytes_held"),
-               1.00),
-        target("tracedac save_matmuls step / torch selective", ratio("tracedac_save_matmuls", "torch_sac", "step_s"),
-               1.02),
-        target("tracedac memory_budget(0.5) saved / no checkpoint saved",
-               ratio("tracedac_budget", "none", "saved_bytes"), 0.5),
-        target("tracedac memory_budget(0.5) replay FLOPs / torch activation_memory_budget=0.5",
-               ratio("tracedac_budget", "torch_budget", "replay_flops"), 1.0),
-        target("tracedac memory_budget(0.5), one region, replay FLOPs / torch's budget curve at the same bytes",
-               _equal_bytes(curve), 1.0),
-        target("tracedac recompute_all compiled step / eager", ratio("tracedac_recompute_all", "tracedac_eager", "step_s"),
-               0.85),
+        target(
+            "graph breaks, tracedac variants",
+            float(max(breaks)) if breaks and None not in breaks else None,
+            0,
+            "",
+        ),
+        target(
+            "tracedac recompute_all held / torch checkpoint",
+            ratio("tracedac_recompute_all", "torch", "bytes_held"),
+            1.00,
+        ),
+        target(
+            "tracedac recompute_all step / torch checkpoint",
+            ratio("tracedac_recompute_all", "torch", "step_s"),
+            1.02,
+        ),
+        target(
+            "tracedac save_matmuls held / torch selective",
+            ratio("tracedac_save_matmuls", "torch_sac", "bytes_held"),
+            1.00,
+        ),
+        target(
+            "tracedac save_matmuls step / torch selective",
+            ratio("tracedac_save_matmuls", "torch_sac", "step_s"),
+            1.02,
+        ),
+        target(
+            "tracedac memory_budget(0.5) saved / no checkpoint saved",
+            ratio("tracedac_budget", "none", "saved_bytes"),
+            0.5,
+        ),
+        target(
+            "tracedac memory_budget(0.5) replay FLOPs / torch activation_memory_budget=0.5",
+            ratio("tracedac_budget", "torch_budget", "replay_flops"),
+            1.0,
+        ),
+        target(
+            "tracedac memory_budget(0.5), one region, replay FLOPs / torch's budget curve at the same bytes",
+            _equal_bytes(curve),
+            1.0,
+        ),
+        target(
+            "tracedac recompute_all compiled step / eager",
+            ratio("tracedac_recompute_all", "tracedac_eager", "step_s"),
+            0.85,
+        ),
     ]
     return out
 
@@ -233,36 +281,69 @@ def run(cfg: Config, *, steps: int = STEPS, quick: bool = False, progress=None) 
         grads = row.pop("grads")
         row["max_grad_diff"] = max(float((grads[n] - reference[n]).abs().max()) for n in reference)
     true_count = cfg.tokens * cfg.top_k * cfg.layers
-    return {"config": cfg.__dict__, "steps": steps, "true_tokens": true_count, "rows": list(rows.values()),
-            "frontier": curve, "targets": _targets(rows, curve), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+    return {
+        "config": cfg.__dict__,
+        "steps": steps,
+        "true_tokens": true_count,
+        "rows": list(rows.values()),
+        "frontier": curve,
+        "targets": _targets(rows, curve),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def format_report(result: dict) -> str:
-    header = ["variant", "graph breaks", "compile", "step (median)", "held after fwd", "saved (graph)",
-              "replay GFLOP", "tokens counted", "max |grad diff|"]
+    header = [
+        "variant",
+        "graph breaks",
+        "compile",
+        "step (median)",
+        "held after fwd",
+        "saved (graph)",
+        "replay GFLOP",
+        "tokens counted",
+        "max |grad diff|",
+    ]
     cells = []
     for r in result["rows"]:
-        cells.append([
-            r["label"], "-" if r["graph_breaks"] is None else str(r["graph_breaks"]),
-            "-" if r["compile_s"] is None else f"{r['compile_s']:.1f} s", f"{r['step_s'] * 1e3:.1f} ms",
-            mib(r["bytes_held"]), mib(r["saved_bytes"]), f"{r['replay_flops'] / 1e9:.3f}",
-            f"{r['tokens_counted']} / {result['true_tokens']}", f"{r['max_grad_diff']:.2e}",
-        ])
-    lines = [f"torch.compile (inductor, fullgraph=True), fixed-capacity MoE; {result['steps']} timed steps, "
-             f"torch {result['torch']}, {result['threads']} threads", *table(header, cells), "",
-             "equal bytes (partitions only): budget, saved, replay GFLOP"]
+        cells.append(
+            [
+                r["label"],
+                "-" if r["graph_breaks"] is None else str(r["graph_breaks"]),
+                "-" if r["compile_s"] is None else f"{r['compile_s']:.1f} s",
+                f"{r['step_s'] * 1e3:.1f} ms",
+                mib(r["bytes_held"]),
+                mib(r["saved_bytes"]),
+                f"{r['replay_flops'] / 1e9:.3f}",
+                f"{r['tokens_counted']} / {result['true_tokens']}",
+                f"{r['max_grad_diff']:.2e}",
+            ]
+        )
+    lines = [
+        f"torch.compile (inductor, fullgraph=True), fixed-capacity MoE; {result['steps']} timed steps, "
+        f"torch {result['torch']}, {result['threads']} threads",
+        *table(header, cells),
+        "",
+        "equal bytes (partitions only): budget, saved, replay GFLOP",
+    ]
     curve = result["frontier"]
     for who in ("torch", "tracedac", "tracedac, one region"):
         name = "tracedac, per block" if who == "tracedac" else who
-        lines.append(f"  {name:20s} " + "  ".join(f"{b:.1f}: {mib(n)} {f / 1e9:.3f}" for b, n, f in curve[who]))
+        lines.append(
+            f"  {name:20s} " + "  ".join(f"{b:.1f}: {mib(n)} {f / 1e9:.3f}" for b, n, f in curve[who])
+        )
     per_block = _equal_bytes(curve, "tracedac")
-    lines.append("  per block / torch's curve at the same bytes: "
-                 + ("-" if per_block is None else f"{per_block:.3f}x")
-                 + " (each block's input saved at its boundary; outside the blocks, the partitioner's default)")
+    lines.append(
+        "  per block / torch's curve at the same bytes: "
+        + ("-" if per_block is None else f"{per_block:.3f}x")
+        + " (each block's input saved at its boundary; outside the blocks, the partitioner's default)"
+    )
     for b, planned, least in curve["floor"]:
-        lines.append(f"  per-block plans at {b:.1f}: {planned / 1e9:.3f} GFLOP by their price; the floor of any "
-                     f"plan within the same bytes: {least / 1e9:.3f} ({planned / least if least else float('nan'):.3f}x)")
+        lines.append(
+            f"  per-block plans at {b:.1f}: {planned / 1e9:.3f} GFLOP by their price; the floor of any "
+            f"plan within the same bytes: {least / 1e9:.3f} "
+            f"({planned / least if least else float('nan'):.3f}x)"
+        )
     lines += ["", GOALS, *(goal_line(t) for t in result["targets"])]
     return "\n".join(lines)
-

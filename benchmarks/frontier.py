@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
-
 import tracedac
 
 from . import hull
@@ -69,7 +67,9 @@ def sweep(base, batch, budgets=BUDGETS, tracedac_budgets=None) -> dict:
     for b in budgets if tracedac_budgets is None else tracedac_budgets:
         point, plans = _tracedac_point(base, batch, b, whole=False)
         out["tracedac"].append((b, *point))
-        out["floor"].append((b, sum(p.flops for p in plans), sum(hull.floor(p.problem, p.limit)[0] for p in plans)))
+        out["floor"].append(
+            (b, sum(p.flops for p in plans), sum(hull.floor(p.problem, p.limit)[0] for p in plans))
+        )
         point, _ = _tracedac_point(base, batch, b, whole=True)
         out["tracedac, one region"].append((b, *point))
     return out

@@ -32,22 +32,60 @@ def build(kind: str, *, hidden: int = 32, layers: int = 2, vocab: int = 64, seed
     import transformers as tf
 
     heads = hidden // 8
-    decoder = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2))
+    decoder = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+    )
     configs = {
         "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**decoder)),
-        "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**decoder, num_local_experts=4,
-                                                                  num_experts_per_tok=2)),
-        "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
-            **decoder, moe_intermediate_size=hidden, shared_expert_intermediate_size=2 * hidden, num_experts=4,
-            num_experts_per_tok=2, decoder_sparse_step=1)),
-        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads,
-                                                         n_positions=512, bos_token_id=0, eos_token_id=0)),
-        "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                                                         num_attention_heads=heads, intermediate_size=2 * hidden)),
-        "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
-            vocab_size=vocab, d_model=hidden, d_kv=8, d_ff=2 * hidden, num_layers=layers, num_heads=heads,
-            decoder_start_token_id=0)),
+        "mixtral": lambda: tf.MixtralForCausalLM(
+            tf.MixtralConfig(**decoder, num_local_experts=4, num_experts_per_tok=2)
+        ),
+        "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(
+            tf.Qwen2MoeConfig(
+                **decoder,
+                moe_intermediate_size=hidden,
+                shared_expert_intermediate_size=2 * hidden,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+            )
+        ),
+        "gpt2": lambda: tf.GPT2LMHeadModel(
+            tf.GPT2Config(
+                vocab_size=vocab,
+                n_embd=hidden,
+                n_layer=layers,
+                n_head=heads,
+                n_positions=512,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        "bert": lambda: tf.BertForMaskedLM(
+            tf.BertConfig(
+                vocab_size=vocab,
+                hidden_size=hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                intermediate_size=2 * hidden,
+            )
+        ),
+        "t5": lambda: tf.T5ForConditionalGeneration(
+            tf.T5Config(
+                vocab_size=vocab,
+                d_model=hidden,
+                d_kv=8,
+                d_ff=2 * hidden,
+                num_layers=layers,
+                num_heads=heads,
+                decoder_start_token_id=0,
+            )
+        ),
     }
     if kind not in configs:
         raise ValueError(f"unknown architecture {kind!r}; one of {', '.join(ARCHITECTURES)}")
@@ -78,12 +116,16 @@ def _variants(kind: str, hidden: int, layers: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.hf", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kinds", default=",".join(ARCHITECTURES), help="architectures, comma-separated (%(default)s)")
+    p.add_argument(
+        "--kinds", default=",".join(ARCHITECTURES), help="architectures, comma-separated (%(default)s)"
+    )
     p.add_argument("--hidden", type=int, default=128, help="hidden size (%(default)s)")
     p.add_argument("--layers", type=int, default=4, help="layers (%(default)s)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step (%(default)s)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence (%(default)s)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per variant, after two untimed (%(default)s)")
+    p.add_argument(
+        "--steps", type=int, default=10, help="timed steps per variant, after two untimed (%(default)s)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
     import warnings
@@ -110,10 +152,14 @@ def main(argv=None) -> int:
             step(name, 0), step(name, 0)
         times = time_in_turns(list(models), args.steps, step, say, kind)
         med = {name: statistics.median(t) for name, t in times.items()}
-        rows.append([kind, *(f"{med[n] * 1e3:.1f}" for n in models), f"{med['tracedac'] / med['torch']:.2f}x"])
+        rows.append(
+            [kind, *(f"{med[n] * 1e3:.1f}" for n in models), f"{med['tracedac'] / med['torch']:.2f}x"]
+        )
         say(f"{kind}: medians (ms) " + ", ".join(f"{n} {med[n] * 1e3:.1f}" for n in models))
-    print(f"step time, median of {args.steps} (ms): hidden {args.hidden}, {args.layers} layers, "
-          f"{args.batch} x {args.seq} tokens, CPU threads {torch.get_num_threads()}")
+    print(
+        f"step time, median of {args.steps} (ms): hidden {args.hidden}, {args.layers} layers, "
+        f"{args.batch} x {args.seq} tokens, CPU threads {torch.get_num_threads()}"
+    )
     print("\n".join(table(["model", "none", "torch checkpoint", "tracedac", "tracedac / torch"], rows)))
     return 0
 

@@ -40,8 +40,9 @@ def price(graph: RegionGraph, wanted, keep) -> tuple[int, set]:
     return sum(node_cost(graph.nodes[i])[0] for i in run), {g for g in keep if g in read}
 
 
-def value_network(graph: RegionGraph, wanted, per_byte: int, per_flop: int, *, keepable=None, free=(),
-                  decisions=None):
+def value_network(
+    graph: RegionGraph, wanted, per_byte: int, per_flop: int, *, keepable=None, free=(), decisions=None
+):
     """The flow network whose minimum cut is the cheapest plan: keeping a group costs its bytes
     times ``per_byte`` (a ``free`` group: nothing), replaying a node its FLOPs times ``per_flop``
     (integers: the cut is exact, ``lam = per_flop / per_byte``).
@@ -94,8 +95,13 @@ def _cut(graph: RegionGraph, G) -> set:
     import networkx as nx
 
     _, (source_side, _) = nx.minimum_cut(G, "source", "sink")
-    return {g.id for g in graph.groups if g.creator is not None
-            and ("in", g.id, len(g.mutations)) in source_side and ("out", g.id, len(g.mutations)) not in source_side}
+    return {
+        g.id
+        for g in graph.groups
+        if g.creator is not None
+        and ("in", g.id, len(g.mutations)) in source_side
+        and ("out", g.id, len(g.mutations)) not in source_side
+    }
 
 
 def floor(p: Problem, limit: int, steps: int = 64) -> tuple[float, list]:
@@ -114,7 +120,9 @@ def floor(p: Problem, limit: int, steps: int = 64) -> tuple[float, list]:
     seen = []
 
     def vertex(per_byte: int, per_flop: int) -> tuple[int, int]:
-        G = value_network(graph, p.wanted, per_byte, per_flop, keepable=p.live, free=free, decisions=decisions)
+        G = value_network(
+            graph, p.wanted, per_byte, per_flop, keepable=p.live, free=free, decisions=decisions
+        )
         flops, read = price(graph, p.wanted, _cut(graph, G) | free)
         seen.append((sum(graph.groups[g].nbytes for g in read - free), flops))
         return seen[-1]
@@ -131,7 +139,10 @@ def floor(p: Problem, limit: int, steps: int = 64) -> tuple[float, list]:
             break
         per_byte, per_flop = low[1] - high[1], high[0] - low[0]  # lam: the slope from low to high
         mid = vertex(per_byte, per_flop)
-        if mid in (low, high) or mid[0] * per_byte + mid[1] * per_flop >= low[0] * per_byte + low[1] * per_flop:
+        if (
+            mid in (low, high)
+            or mid[0] * per_byte + mid[1] * per_flop >= low[0] * per_byte + low[1] * per_flop
+        ):
             break  # on the line: low and high are neighbours on the hull
         if mid[0] <= limit:
             low = mid

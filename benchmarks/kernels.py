@@ -31,10 +31,14 @@ def block_shapes(hidden: int, intermediate: int) -> list[tuple[int, ...]]:
     """Parameter shapes of one Llama-style block with attention biases."""
     return [
         (hidden,),  # attention norm weight
-        (hidden, hidden), (hidden,),  # q proj, bias
-        (hidden, hidden), (hidden,),  # k proj, bias
-        (hidden, hidden), (hidden,),  # v proj, bias
-        (hidden, hidden), (hidden,),  # o proj, bias
+        (hidden, hidden),
+        (hidden,),  # q proj, bias
+        (hidden, hidden),
+        (hidden,),  # k proj, bias
+        (hidden, hidden),
+        (hidden,),  # v proj, bias
+        (hidden, hidden),
+        (hidden,),  # o proj, bias
         (hidden,),  # mlp norm weight
         (intermediate, hidden),  # gate proj
         (intermediate, hidden),  # up proj
@@ -91,8 +95,10 @@ def _kernels_per_call(fn) -> int:
         fn()
         torch.cuda.synchronize()
     kernels = [
-        e for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and "memcpy" not in e.name.lower()
         and "memset" not in e.name.lower()
     ]
     return len(kernels)
@@ -189,7 +195,9 @@ def format_table(result: dict) -> str:
         f"{'way':<12}{'ms':>10}{'GB/s':>10}{'time / pack_cast':>18}",
     ]
     for name, m in result["methods"].items():
-        lines.append(f"{name:<12}{m['median_ms']:>10.3f}{m['gb_per_s']:>10.1f}{m['time_vs_pack_cast']:>18.2f}")
+        lines.append(
+            f"{name:<12}{m['median_ms']:>10.3f}{m['gb_per_s']:>10.1f}{m['time_vs_pack_cast']:>18.2f}"
+        )
     lines.append(f"outputs bit-identical: {result['bit_identical']}")
     if result["copy_bandwidth_gb_per_s"] is not None:
         lines.append(

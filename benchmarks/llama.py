@@ -88,8 +88,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D]
         B, T, D = x.shape
-        q, k, v = (w(x).view(B, T, self.heads, D // self.heads).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))  # [B, H, T, Dh] each
+        q, k, v = (
+            w(x).view(B, T, self.heads, D // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )  # [B, H, T, Dh] each
         cos, sin = self.cos[:T], self.sin[:T]  # [T, Dh]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin

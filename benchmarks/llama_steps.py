@@ -48,10 +48,12 @@ CUDA = LlamaConfig(vocab=32000, layers=8, dim=2048, heads=16, mlp_hidden=5632, b
 CPU = LlamaConfig(vocab=1024, layers=4, dim=256, heads=4, mlp_hidden=704, batch=4, seq=128)
 QUICK = LlamaConfig(vocab=64, layers=2, dim=32, heads=2, mlp_hidden=64, batch=2, seq=16)
 WARMUP = 3
-_SAC_OPS = set(MATMUL_OPS) | {torch.ops.aten._scaled_dot_product_flash_attention,
-                         torch.ops.aten._scaled_dot_product_efficient_attention,
-                         torch.ops.aten._scaled_dot_product_cudnn_attention,
-                         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu}
+_SAC_OPS = set(MATMUL_OPS) | {
+    torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_cudnn_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+}
 
 
 class _Checkpointed(nn.Module):
@@ -67,11 +69,15 @@ class _Checkpointed(nn.Module):
 
 
 def _sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func.overloadpacket in _SAC_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return (
+        CheckpointPolicy.MUST_SAVE if func.overloadpacket in _SAC_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    )
 
 
 def _torch(context_fn=None) -> Callable[[Llama], nn.Module]:
-    kwargs = {"use_reentrant": False} if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
+    kwargs = (
+        {"use_reentrant": False} if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
+    )
     fn = functools.partial(torch_checkpoint.checkpoint, **kwargs)
 
     def apply(model: Llama) -> nn.Module:
@@ -100,12 +106,19 @@ class Variant:
 VARIANTS = (
     Variant("none", "no checkpoint", lambda m: m),
     Variant("torch", "torch checkpoint", _torch()),
-    Variant("torch_sac", "torch selective (matmuls + attention)",
-            _torch(functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _sac_policy))),
+    Variant(
+        "torch_sac",
+        "torch selective (matmuls + attention)",
+        _torch(functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _sac_policy)),
+    ),
     Variant("tracedac_recompute_all", "tracedac recompute_all", _tracedac(tracedac.policies.recompute_all())),
     Variant("tracedac_save_matmuls", "tracedac save_matmuls", _tracedac(tracedac.policies.save_matmuls())),
-    Variant("tracedac_compiled_replay", "tracedac recompute_all, compiled replay",
-            _tracedac(tracedac.policies.recompute_all()), compiled_replay=True),
+    Variant(
+        "tracedac_compiled_replay",
+        "tracedac recompute_all, compiled replay",
+        _tracedac(tracedac.policies.recompute_all()),
+        compiled_replay=True,
+    ),
     Variant("torch_compile", "torch.compile, torch checkpoint", _compiled),
 )
 
@@ -115,8 +128,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(cfg: LlamaConfig | None = None, *, device: str = "cpu", dtype: torch.dtype | None = None, steps: int = 5,
-        variants: tuple[str, ...] | None = None, progress: TextIO | None = sys.stderr) -> dict:
+def run(
+    cfg: LlamaConfig | None = None,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    steps: int = 5,
+    variants: tuple[str, ...] | None = None,
+    progress: TextIO | None = sys.stderr,
+) -> dict:
     """Time every variant (or those named in ``variants``); return every figure."""
     dev = torch.device(device)
     cfg = cfg or (CUDA if dev.type == "cuda" else CPU)
@@ -148,7 +168,9 @@ def run(cfg: LlamaConfig | None = None, *, device: str = "cpu", dtype: torch.dty
         if key == "none":
             reference = grads
         if reference is not None:
-            rows[key]["max_grad_diff"] = max((a - b).abs().max().item() for a, b in zip(grads, reference, strict=True))
+            rows[key]["max_grad_diff"] = max(
+                (a - b).abs().max().item() for a, b in zip(grads, reference, strict=True)
+            )
         if dev.type == "cuda":
             for p in models[key].parameters():
                 p.grad = None
@@ -170,8 +192,15 @@ def run(cfg: LlamaConfig | None = None, *, device: str = "cpu", dtype: torch.dty
     for key, seconds in times.items():
         rows[key]["step_s"] = statistics.median(seconds)
         rows[key]["times_s"] = seconds
-    return {"config": asdict(cfg), "device": str(dev), "dtype": str(dtype), "steps": steps,
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "variants": list(rows.values())}
+    return {
+        "config": asdict(cfg),
+        "device": str(dev),
+        "dtype": str(dtype),
+        "steps": steps,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "variants": list(rows.values()),
+    }
 
 
 def format_report(r: dict) -> str:
@@ -180,13 +209,20 @@ def format_report(r: dict) -> str:
     cells = []
     for x in rows:
         peak = x.get("peak_over_weights")
-        cells.append([
-            x["label"], f"{x['step_s'] * 1e3:.1f}",
-            f"{x['step_s'] / torch_s:.2f}x" if torch_s else "-",
-            f"{peak / 2**30:.2f} GiB" if peak is not None else "-",
-            f"{x['max_grad_diff']:.2e}" if "max_grad_diff" in x else "-",
-        ])
-    head = (f"Llama-style decoder on {r['device']} ({r['dtype']}, {r['threads']} threads, torch {r['torch']}), "
-            f"median of {r['steps']} steps after {WARMUP} warm-up; model {r['config']}")
-    return "\n".join([head, ""] + table(["variant", "step ms", "vs torch checkpoint", "peak over weights",
-                                          "max |grad diff|"], cells))
+        cells.append(
+            [
+                x["label"],
+                f"{x['step_s'] * 1e3:.1f}",
+                f"{x['step_s'] / torch_s:.2f}x" if torch_s else "-",
+                f"{peak / 2**30:.2f} GiB" if peak is not None else "-",
+                f"{x['max_grad_diff']:.2e}" if "max_grad_diff" in x else "-",
+            ]
+        )
+    head = (
+        f"Llama-style decoder on {r['device']} ({r['dtype']}, {r['threads']} threads, torch {r['torch']}), "
+        f"median of {r['steps']} steps after {WARMUP} warm-up; model {r['config']}"
+    )
+    return "\n".join(
+        [head, ""]
+        + table(["variant", "step ms", "vs torch checkpoint", "peak over weights", "max |grad diff|"], cells)
+    )

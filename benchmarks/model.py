@@ -88,7 +88,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D]
         B, T, D = x.shape
         q, k, v = self.qkv(x).split(D, dim=2)  # [B, T, D] each
-        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))  # [B, H, T, Dh]
+        q, k, v = (
+            t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v)
+        )  # [B, H, T, Dh]
         # No dropout inside attention: with dropout_p > 0 CPU leaves the fused kernel for the
         # math path (bmm, softmax, bernoulli), and the attention op that save_matmuls keeps
         # would not appear at all.
@@ -111,7 +113,9 @@ class Router(nn.Module):
         weights = weights / weights.sum(dim=-1, keepdim=True)  # [N, K]
         # The load-balancing statistic MoE trainers log; a checkpoint that re-runs this
         # forward in backward adds every token twice.
-        self.tokens_per_expert.add_(torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel()))
+        self.tokens_per_expert.add_(
+            torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel())
+        )
         return weights, experts
 
 
@@ -123,8 +127,12 @@ class MoE(nn.Module):
         self.router = Router(cfg)
         self.capacity = cfg.capacity  # slots per routed token, on average (None: no fixed capacity)
         self.top_k = cfg.top_k
-        self.w1 = nn.Parameter(torch.randn(cfg.experts, cfg.dim, cfg.expert_hidden) / math.sqrt(cfg.dim))  # [E, D, F]
-        self.w2 = nn.Parameter(torch.randn(cfg.experts, cfg.expert_hidden, cfg.dim) / math.sqrt(cfg.expert_hidden))  # [E, F, D]
+        self.w1 = nn.Parameter(
+            torch.randn(cfg.experts, cfg.dim, cfg.expert_hidden) / math.sqrt(cfg.dim)
+        )  # [E, D, F]
+        self.w2 = nn.Parameter(
+            torch.randn(cfg.experts, cfg.expert_hidden, cfg.dim) / math.sqrt(cfg.expert_hidden)
+        )  # [E, F, D]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D]
         flat = x.reshape(-1, x.shape[-1])  # [N, D]

@@ -92,11 +92,31 @@ import tracedac
 from tracedac import policies
 
 from . import probe
-from .child import GOALS, Progress, clear_grads, conditions_line, mark, run_child, seeded_step, table, time_in_turns
+from .child import (
+    GOALS,
+    Progress,
+    clear_grads,
+    conditions_line,
+    mark,
+    run_child,
+    seeded_step,
+    table,
+    time_in_turns,
+)
 from .llama import DecoderLayer, Llama, LlamaConfig, make_batch
 
-__all__ = ["BUDGETS", "PEAK_BUDGET", "QUICK", "QUICK_BUDGETS", "SLACK_PER_REGION", "STEPS",
-           "TENSOR_SLACK_PER_REGION", "child_measure", "format_report", "run"]
+__all__ = [
+    "BUDGETS",
+    "PEAK_BUDGET",
+    "QUICK",
+    "QUICK_BUDGETS",
+    "SLACK_PER_REGION",
+    "STEPS",
+    "TENSOR_SLACK_PER_REGION",
+    "child_measure",
+    "format_report",
+    "run",
+]
 
 # A model that finishes every section in seconds: for tests and for checking a set-up.
 QUICK = LlamaConfig(vocab=64, layers=2, dim=32, heads=2, mlp_hidden=96, batch=2, seq=16)
@@ -152,9 +172,20 @@ def _variants(budgets, matched=()) -> list[dict]:
         {"key": "save_all", "label": "save_all()", "spec": "save_all", "budget": None},
         {"key": "recompute_all", "label": "recompute_all()", "spec": "recompute_all", "budget": None},
     ]
-    rows += [{"key": f"budget_{b:.2f}", "label": f"memory_budget({b:.1f})", "spec": b, "budget": b} for b in budgets]
-    rows += [{"key": f"match_{b:.2f}", "label": f"memory_budget({n}) [torch {b:.1f}]", "spec": ("bytes", n),
-              "budget": None, "region_bytes": n} for b, n in matched]
+    rows += [
+        {"key": f"budget_{b:.2f}", "label": f"memory_budget({b:.1f})", "spec": b, "budget": b}
+        for b in budgets
+    ]
+    rows += [
+        {
+            "key": f"match_{b:.2f}",
+            "label": f"memory_budget({n}) [torch {b:.1f}]",
+            "spec": ("bytes", n),
+            "budget": None,
+            "region_bytes": n,
+        }
+        for b, n in matched
+    ]
     return rows
 
 
@@ -246,7 +277,9 @@ def _tensor_held(model: Llama, x: torch.Tensor) -> int:
     allocator handed out and did not get back, and nothing else (no Python or C++ objects).
     """
     gc.collect()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         outs = _run_layers(model, x)
     held = sum(_allocation_events(prof)) - sum(o.untyped_storage().nbytes() for o in outs)
     _finish(model, x, outs)
@@ -314,8 +347,12 @@ class _Partitioned:
             counted._boxed_call = True
             return counted
 
-        return aot_autograd(fw_compiler=forward, bw_compiler=backward, decompositions=select_decomp_table(),
-                            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+        return aot_autograd(
+            fw_compiler=forward,
+            bw_compiler=backward,
+            decompositions=select_decomp_table(),
+            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        )
 
     def reset(self) -> None:
         self.recomputed_ops = self.recompute_flops = 0
@@ -364,8 +401,12 @@ def _measure_tracedac(cfg: LlamaConfig, budgets, matched, device: torch.device, 
         model = _build(base, v["spec"])
         seeded_step(model, batch, _SEED)  # the first step plans; the measured one uses the cached plan
         clear_grads(model)
-        found[v["key"]] = {"status": "ok", "bytes_kept": _held(model, x, device),
-                           "python_bytes": _python_held(model, x), "tensor_bytes": _tensor_held(model, x)}
+        found[v["key"]] = {
+            "status": "ok",
+            "bytes_kept": _held(model, x, device),
+            "python_bytes": _python_held(model, x),
+            "tensor_bytes": _tensor_held(model, x),
+        }
     return found
 
 
@@ -381,7 +422,10 @@ def _measure_torch(cfg: LlamaConfig, budgets, steps: int, device: torch.device, 
     partitioned = _Partitioned()
     found = {}
     for i, b in enumerate(budgets, 1):
-        say(f"[{i}/{len(budgets)}] torch.compile activation_memory_budget={b:.1f}: compile, bytes, {steps} steps")
+        say(
+            f"[{i}/{len(budgets)}] torch.compile activation_memory_budget={b:.1f}: "
+            f"compile, bytes, {steps} steps"
+        )
         model = _compiled(base, partitioned)
         # Everything under the budget: were dynamo to recompile here, it would use it.
         with torch._functorch.config.patch(activation_memory_budget=b):
@@ -391,9 +435,14 @@ def _measure_torch(cfg: LlamaConfig, budgets, steps: int, device: torch.device, 
             tensors = _tensor_held(model, x)
             partitioned.reset()
             saved = _saved_bytes(model, x)  # one forward and one backward
-            found[f"{b:.2f}"] = {"bytes_held": held, "tensor_bytes": tensors,
-                                 "bytes_saved": saved, "recomputed_ops": partitioned.recomputed_ops,
-                                 "recompute_flops": partitioned.recompute_flops, "step_times_s": []}
+            found[f"{b:.2f}"] = {
+                "bytes_held": held,
+                "tensor_bytes": tensors,
+                "bytes_saved": saved,
+                "recomputed_ops": partitioned.recomputed_ops,
+                "recompute_flops": partitioned.recompute_flops,
+                "step_times_s": [],
+            }
             for _ in range(steps):
                 gc.collect()
                 start = time.perf_counter()
@@ -414,11 +463,15 @@ def child_measure(spec: dict) -> dict:
         try:
             found["torch"] = _measure_torch(cfg, spec["budgets"], spec["steps"], device, say)
         except Exception as e:  # noqa: BLE001 - a torch.compile failure must not hide tracedac's figures
-            found["torch"] = {"status": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            found["torch"] = {
+                "status": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            }
     if "status" not in found["torch"]:
         # tracedac at the bytes each torch row kept, per region: the comparison the target asks
         # for. An int budget of 1 is refused as ambiguous; 0 bytes asks the same.
-        per_region = [max(0, found["torch"][f"{b:.2f}"]["tensor_bytes"] // cfg.layers) for b in spec["budgets"]]
+        per_region = [
+            max(0, found["torch"][f"{b:.2f}"]["tensor_bytes"] // cfg.layers) for b in spec["budgets"]
+        ]
         found["matched"] = [[b, 0 if n == 1 else n] for b, n in zip(spec["budgets"], per_region)]
     found["tracedac"] = _measure_tracedac(cfg, spec["budgets"], found["matched"], device, say)
     return found
@@ -431,11 +484,18 @@ _CHILD = (
 )
 
 
-def _measure_in_child(cfg: LlamaConfig, budgets, steps: int, device: torch.device, say, compare_torch: bool) -> dict:
+def _measure_in_child(
+    cfg: LlamaConfig, budgets, steps: int, device: torch.device, say, compare_torch: bool
+) -> dict:
     """``child_measure`` in a fresh interpreter where every allocation goes through glibc."""
-    spec = {"config": asdict(cfg), "budgets": list(budgets), "steps": steps, "device": str(device),
-                       "compare_torch": compare_torch,
-                       "threads": torch.get_num_threads()}
+    spec = {
+        "config": asdict(cfg),
+        "budgets": list(budgets),
+        "steps": steps,
+        "device": str(device),
+        "compare_torch": compare_torch,
+        "threads": torch.get_num_threads(),
+    }
     return run_child(_CHILD, spec, say, "measures bytes kept", "python -m benchmarks --planners --quick")
 
 
@@ -497,7 +557,9 @@ def _forward_peak(model: Llama, batch) -> int:
     clear_grads(model)
     gc.collect()
     torch.manual_seed(_SEED)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
         loss = model(*batch)
     level = peak = 0
     for size in _allocation_events(prof):
@@ -510,15 +572,21 @@ def _forward_peak(model: Llama, batch) -> int:
 
 def _peaks(base: Llama, batch, steps: int, say) -> dict:
     found = {}
-    for key, name, s in (("none", "no checkpoint", "none"), ("budget", f"memory_budget({PEAK_BUDGET})", PEAK_BUDGET)):
+    for key, name, s in (
+        ("none", "no checkpoint", "none"),
+        ("budget", f"memory_budget({PEAK_BUDGET})", PEAK_BUDGET),
+    ):
         say(f"peak during forward: {name}, {steps} steps")
         model = _build(base, s)
         found[key] = {"label": name, "peaks": [_forward_peak(model, batch) for _ in range(steps)]}
     reference = min(found["none"]["peaks"])
     later = found["budget"]["peaks"][1:]
-    found["check"] = {"name": f"{found['budget']['label']}: forward peak from step 2 on < no-checkpoint forward peak",
-                      "value": max(later) if later else None, "limit": reference,
-                      "passed": None if not later else max(later) < reference}
+    found["check"] = {
+        "name": f"{found['budget']['label']}: forward peak from step 2 on < no-checkpoint forward peak",
+        "value": max(later) if later else None,
+        "limit": reference,
+        "passed": None if not later else max(later) < reference,
+    }
     return found
 
 
@@ -547,12 +615,17 @@ def _tracedac_rows(cfg, variants, measured, library, flops, times) -> list[dict]
         else:  # an int budget: bytes, the same at the allocator
             row["budget_bytes"] = row["budget_tensor_bytes"] = v["region_bytes"] * cfg.layers
         row["within_budget"] = row["bytes_kept"] <= row["budget_bytes"] + SLACK_PER_REGION * cfg.layers
-        row["tensors_within_budget"] = (row["tensor_bytes"]
-                                        <= row["budget_tensor_bytes"] + TENSOR_SLACK_PER_REGION * cfg.layers)
+        row["tensors_within_budget"] = (
+            row["tensor_bytes"] <= row["budget_tensor_bytes"] + TENSOR_SLACK_PER_REGION * cfg.layers
+        )
         lib = library[v["key"]]
-        row.update(lib_full_bytes=library["full"], lib_bytes_kept=lib["bytes_kept"],
-                   lib_replay_flops=lib["replay_flops"], lib_ops_replayed=lib["ops_replayed"],
-                   flops_match=lib["replay_flops"] == row["replay_flops"])
+        row.update(
+            lib_full_bytes=library["full"],
+            lib_bytes_kept=lib["bytes_kept"],
+            lib_replay_flops=lib["replay_flops"],
+            lib_ops_replayed=lib["ops_replayed"],
+            flops_match=lib["replay_flops"] == row["replay_flops"],
+        )
         rows.append(row)
     return rows
 
@@ -576,14 +649,24 @@ def _checks(cfg, tracedac_rows, torch_rows) -> list[dict]:
     for row in tracedac_rows:
         if "budget_bytes" not in row:
             continue
-        checks.append({"name": f"{row['label']}: tensors kept {_mib(row['tensor_bytes'])} <= budget "
-                               f"{_mib(row['budget_tensor_bytes'])} MiB + {tensor_slack >> 10} KiB",
-                       "value": row["tensor_bytes"], "limit": row["budget_tensor_bytes"] + tensor_slack,
-                       "passed": row["tensors_within_budget"]})
-        checks.append({"name": f"{row['label']}: allocator bytes kept {_mib(row['bytes_kept'])} <= budget "
-                               f"{_mib(row['budget_bytes'])} MiB + {slack >> 10} KiB",
-                       "value": row["bytes_kept"], "limit": row["budget_bytes"] + slack,
-                       "passed": row["within_budget"]})
+        checks.append(
+            {
+                "name": f"{row['label']}: tensors kept {_mib(row['tensor_bytes'])} <= budget "
+                f"{_mib(row['budget_tensor_bytes'])} MiB + {tensor_slack >> 10} KiB",
+                "value": row["tensor_bytes"],
+                "limit": row["budget_tensor_bytes"] + tensor_slack,
+                "passed": row["tensors_within_budget"],
+            }
+        )
+        checks.append(
+            {
+                "name": f"{row['label']}: allocator bytes kept {_mib(row['bytes_kept'])} <= budget "
+                f"{_mib(row['budget_bytes'])} MiB + {slack >> 10} KiB",
+                "value": row["bytes_kept"],
+                "limit": row["budget_bytes"] + slack,
+                "passed": row["within_budget"],
+            }
+        )
     if not isinstance(torch_rows, list):
         return checks
     by_key = {r["key"]: r for r in tracedac_rows}
@@ -592,11 +675,17 @@ def _checks(cfg, tracedac_rows, torch_rows) -> list[dict]:
         # Tensor bytes on both sides (profiler events): the allocator's figure also counts
         # bookkeeping, which on a small model would outweigh what is being compared.
         fewer = row["tensor_bytes"] <= t["tensor_bytes"] + tensor_slack
-        checks.append({"name": f"torch budget {t['budget']:.1f}: {_mib(t['tensor_bytes'])} MiB, recompute "
-                               f"{_gflop(t['recompute_flops'])} GFLOP; tracedac {row['label']}: "
-                               f"{_mib(row['tensor_bytes'])} MiB, replay {_gflop(row['replay_flops'])} GFLOP",
-                       "value": row["replay_flops"], "limit": t["recompute_flops"], "tracedac": row["key"],
-                       "passed": fewer and row["replay_flops"] <= t["recompute_flops"]})
+        checks.append(
+            {
+                "name": f"torch budget {t['budget']:.1f}: {_mib(t['tensor_bytes'])} MiB, recompute "
+                f"{_gflop(t['recompute_flops'])} GFLOP; tracedac {row['label']}: "
+                f"{_mib(row['tensor_bytes'])} MiB, replay {_gflop(row['replay_flops'])} GFLOP",
+                "value": row["replay_flops"],
+                "limit": t["recompute_flops"],
+                "tracedac": row["key"],
+                "passed": fewer and row["replay_flops"] <= t["recompute_flops"],
+            }
+        )
     return checks
 
 
@@ -607,14 +696,24 @@ def check_settings(cfg: LlamaConfig, steps: int, device: str) -> torch.device:
         raise ValueError(f"steps must be at least 1 to have a time to report, got {steps}")
     dev = torch.device(device)
     if dev.type != "cpu":
-        raise ValueError(f"the planner benchmark runs on CPU only (its peak reads CPU allocator events), "
-                         f"got {device!r}; run it without --device.")
+        raise ValueError(
+            f"the planner benchmark runs on CPU only (its peak reads CPU allocator events), "
+            f"got {device!r}; run it without --device."
+        )
     probe.allocated_bytes(dev)  # raises ProbeUnavailable where the allocator cannot be read
     return dev
 
 
-def run(cfg: LlamaConfig = LlamaConfig(), *, steps: int = STEPS, budgets=BUDGETS, quick: bool = False,
-        progress: TextIO | None = sys.stderr, system_malloc: bool = False, compare_torch: bool = True) -> dict:
+def run(
+    cfg: LlamaConfig = LlamaConfig(),
+    *,
+    steps: int = STEPS,
+    budgets=BUDGETS,
+    quick: bool = False,
+    progress: TextIO | None = sys.stderr,
+    system_malloc: bool = False,
+    compare_torch: bool = True,
+) -> dict:
     """Run every section and return every figure.
 
     ``compare_torch=False`` leaves out torch.compile (its compiles take most of a quick run).
@@ -664,7 +763,7 @@ def run(cfg: LlamaConfig = LlamaConfig(), *, steps: int = STEPS, budgets=BUDGETS
         "library": "trade_off",
         "probe": f"{probe.describe(dev)}, child interpreter with PYTHONMALLOC=malloc",
         "torch_backend": "aot_autograd + inductor decompositions + min_cut_rematerialization_partition, "
-                         "graphs run eagerly (no inductor kernels)",
+        "graphs run eagerly (no inductor kernels)",
         "timing_allocator": "glibc keeping freed memory (mallopt)" if steady else "default",
         "slack_per_region": SLACK_PER_REGION,
         "tensor_slack_per_region": TENSOR_SLACK_PER_REGION,
@@ -691,18 +790,39 @@ def _gflop(n) -> str:
 
 
 def _tracedac_cells(row: dict) -> list[str]:
-    within = "-" if "within_budget" not in row else "/".join(
-        "yes" if row[k] else "NO" for k in ("tensors_within_budget", "within_budget"))
+    within = (
+        "-"
+        if "within_budget" not in row
+        else "/".join("yes" if row[k] else "NO" for k in ("tensors_within_budget", "within_budget"))
+    )
     lib = row.get("lib_replay_flops")
     lib_cell = "-" if lib is None else _gflop(lib) + ("" if row["flops_match"] else " (!)")
-    return [row["label"], _mib(row.get("budget_tensor_bytes")), _mib(row["tensor_bytes"]),
-            _mib(row.get("lib_bytes_kept")), _mib(row["bytes_kept"]), _mib(row["python_bytes"]), within, _gflop(row["replay_flops"]), lib_cell,
-            str(row.get("lib_ops_replayed", "-")), f"{row['step_s'] * 1e3:.0f} ms", f"{row['step_vs_none']:.2f}x"]
+    return [
+        row["label"],
+        _mib(row.get("budget_tensor_bytes")),
+        _mib(row["tensor_bytes"]),
+        _mib(row.get("lib_bytes_kept")),
+        _mib(row["bytes_kept"]),
+        _mib(row["python_bytes"]),
+        within,
+        _gflop(row["replay_flops"]),
+        lib_cell,
+        str(row.get("lib_ops_replayed", "-")),
+        f"{row['step_s'] * 1e3:.0f} ms",
+        f"{row['step_vs_none']:.2f}x",
+    ]
 
 
 def _torch_cells(row: dict) -> list[str]:
-    return [f"{row['budget']:.1f}", _mib(row["bytes_held"]), _mib(row["tensor_bytes"]), _mib(row["bytes_saved"]),
-            str(row["recomputed_ops"]), _gflop(row["recompute_flops"]), f"{row['step_s'] * 1e3:.0f} ms"]
+    return [
+        f"{row['budget']:.1f}",
+        _mib(row["bytes_held"]),
+        _mib(row["tensor_bytes"]),
+        _mib(row["bytes_saved"]),
+        str(row["recomputed_ops"]),
+        _gflop(row["recompute_flops"]),
+        f"{row['step_s'] * 1e3:.0f} ms",
+    ]
 
 
 def format_report(result: dict) -> str:
@@ -719,28 +839,48 @@ def format_report(result: dict) -> str:
         "",
         "tracedac (MiB; GFLOP; per step, both layers; the layers' outputs excluded)",
     ]
-    header = ["variant", "budget", "tensors", "lib kept", "alloc kept", "of it Py", "<= budget?", "replay FLOPs",
-              "lib FLOPs", "lib ops", "step", "vs none"]
+    header = [
+        "variant",
+        "budget",
+        "tensors",
+        "lib kept",
+        "alloc kept",
+        "of it Py",
+        "<= budget?",
+        "replay FLOPs",
+        "lib FLOPs",
+        "lib ops",
+        "step",
+        "vs none",
+    ]
     out += table(header, [_tracedac_cells(r) for r in result["tracedac_rows"]])
     row = next((r for r in result["tracedac_rows"] if r.get("full_bytes")), {})
     layers = cfg["layers"]
     out += [
-        f"budget = b x {_mib(row.get('full_tensor_bytes'))} MiB, the tensors save_all() keeps (library's own full: "
-        f"{_mib(row.get('lib_full_bytes'))}); alloc budget = b x {_mib(row.get('full_bytes'))} MiB at the allocator",
+        f"budget = b x {_mib(row.get('full_tensor_bytes'))} MiB, the tensors save_all() keeps "
+        f"(library's own full: {_mib(row.get('lib_full_bytes'))}); "
+        f"alloc budget = b x {_mib(row.get('full_bytes'))} MiB at the allocator",
         "memory_budget(N) [torch b]: N bytes per region, torch's tensors at its budget b over the layers",
-        f"<= budget? tensors <= budget + {result['tensor_slack_per_region'] * layers >> 10} KiB / allocator <= alloc "
-        f"budget + {result['slack_per_region'] * layers >> 10} KiB; (!) FLOPs from outside differ from the library's",
+        f"<= budget? tensors <= budget + {result['tensor_slack_per_region'] * layers >> 10} KiB / "
+        f"allocator <= alloc budget + {result['slack_per_region'] * layers >> 10} KiB; "
+        "(!) FLOPs from outside differ from the library's",
     ]
     odd = [r for r in result["tracedac_rows"] if r.get("flops_match") is False]
     if odd:
-        out.append("replay FLOPs from outside != library's at " + ", ".join(
-            f"{r['label']} ({_gflop(r['replay_flops'])} vs {_gflop(r['lib_replay_flops'])})" for r in odd))
+        out.append(
+            "replay FLOPs from outside != library's at "
+            + ", ".join(
+                f"{r['label']} ({_gflop(r['replay_flops'])} vs {_gflop(r['lib_replay_flops'])})" for r in odd
+            )
+        )
     out += ["", f"torch.compile activation_memory_budget ({result['torch_backend']})"]
     if isinstance(result["torch_rows"], str):
         out.append(f"  not run: {result['torch_rows']}")
     else:
-        out += table(["budget", "held", "tensors", "saved", "recomputed ops", "recompute FLOPs", "step (child)"],
-                     [_torch_cells(r) for r in result["torch_rows"]])
+        out += table(
+            ["budget", "held", "tensors", "saved", "recomputed ops", "recompute FLOPs", "step (child)"],
+            [_torch_cells(r) for r in result["torch_rows"]],
+        )
     p = result["peaks"]
     out += ["", "peak tensor bytes during forward (profiler allocation events), per step:"]
     for key in ("none", "budget"):

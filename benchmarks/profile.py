@@ -87,16 +87,26 @@ def run(cfg, device: str = "cpu", compiled_replay: bool = False) -> dict:
     ``llama.LlamaConfig``: bf16 on CUDA, as ``--llama`` runs it)."""
     dev = torch.device(device)
     if isinstance(cfg, LlamaConfig):
-        base, unit = Llama.seeded(cfg).to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32), DecoderLayer
+        base, unit = (
+            Llama.seeded(cfg).to(dev, torch.bfloat16 if dev.type == "cuda" else torch.float32),
+            DecoderLayer,
+        )
     else:
         base, unit = GPT.seeded(cfg).to(dev), Block
     batch = tuple(t.to(dev) for t in make_batch(cfg))
     before = tracedac.compiled_replay(compiled_replay)
-    result = {"config": asdict(cfg),
-              "device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "compiled_replay": compiled_replay}
+    result = {
+        "config": asdict(cfg),
+        "device": str(dev),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "compiled_replay": compiled_replay,
+    }
     try:
-        for key, model in (("plain", copy.deepcopy(base)), ("tracedac", tracedac.wrap(copy.deepcopy(base), unit))):
+        for key, model in (
+            ("plain", copy.deepcopy(base)),
+            ("tracedac", tracedac.wrap(copy.deepcopy(base), unit)),
+        ):
             for _ in range(2):  # warm-up (a second for compiled replay: it compiles on the second sight)
                 torch.manual_seed(cfg.seed)
                 model(*batch).backward()
@@ -110,21 +120,38 @@ def run(cfg, device: str = "cpu", compiled_replay: bool = False) -> dict:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"profile on {r['device']} ({r['threads']} threads, torch {r['torch']}), "
-             f"compiled replay {'on' if r['compiled_replay'] else 'off'}; model {r['config']}", ""]
-    lines.append("| run | half | wall ms | in aten ops ms | in dispatch mode ms (calls) | replay passes ms (n) "
-                 "| outside ms | aten events |" + (" device ms |" if "device_s" in r["plain"]["forward"] else ""))
-    lines.append("|---|---|---|---|---|---|---|---|" + ("---|" if "device_s" in r["plain"]["forward"] else ""))
+    lines = [
+        f"profile on {r['device']} ({r['threads']} threads, torch {r['torch']}), "
+        f"compiled replay {'on' if r['compiled_replay'] else 'off'}; model {r['config']}",
+        "",
+    ]
+    lines.append(
+        "| run | half | wall ms | in aten ops ms | in dispatch mode ms (calls) | replay passes ms (n) "
+        "| outside ms | aten events |" + (" device ms |" if "device_s" in r["plain"]["forward"] else "")
+    )
+    lines.append(
+        "|---|---|---|---|---|---|---|---|" + ("---|" if "device_s" in r["plain"]["forward"] else "")
+    )
     for key in ("plain", "tracedac"):
         for half in ("forward", "backward"):
             h = r[key][half]
-            row = (f"| {key} | {half} | {h['wall_s'] * 1e3:.1f} | {h['op_s'] * 1e3:.1f} | "
-                   f"{h['mode_s'] * 1e3:.1f} ({h['mode_calls']}) | {h['replay_s'] * 1e3:.1f} ({h['replay_passes']}) | "
-                   f"{h['outside_ops_s'] * 1e3:.1f} | {h['op_calls']} |")
+            row = (
+                f"| {key} | {half} | {h['wall_s'] * 1e3:.1f} | {h['op_s'] * 1e3:.1f} | "
+                f"{h['mode_s'] * 1e3:.1f} ({h['mode_calls']}) | "
+                f"{h['replay_s'] * 1e3:.1f} ({h['replay_passes']}) | "
+                f"{h['outside_ops_s'] * 1e3:.1f} | {h['op_calls']} |"
+            )
             if "device_s" in h:
                 row += f" {h['device_s'] * 1e3:.1f} |"
             lines.append(row)
     for half in ("forward", "backward"):
-        lines += ["", f"tracedac {half}: ops with most self CPU time", "| op | calls | self CPU ms |", "|---|---|---|"]
-        lines += [f"| {t['op']} | {t['calls']} | {t['self_cpu_s'] * 1e3:.2f} |" for t in r["tracedac"][half]["top"]]
+        lines += [
+            "",
+            f"tracedac {half}: ops with most self CPU time",
+            "| op | calls | self CPU ms |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {t['op']} | {t['calls']} | {t['self_cpu_s'] * 1e3:.2f} |" for t in r["tracedac"][half]["top"]
+        ]
     return "\n".join(lines)

@@ -56,7 +56,9 @@ def _matmul_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 def _torch_selective(model: GPT) -> GPT:
     context_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _matmul_policy)
-    model.checkpoint_fn = functools.partial(torch_checkpoint.checkpoint, use_reentrant=False, context_fn=context_fn)
+    model.checkpoint_fn = functools.partial(
+        torch_checkpoint.checkpoint, use_reentrant=False, context_fn=context_fn
+    )
     return model
 
 
@@ -103,7 +105,9 @@ def _torch_remat(model: GPT) -> GPT:
     def call(block, x):
         fn = wrapped.get(id(block))
         if fn is None:
-            fn = wrapped[id(block)] = torch_remat.checkpoint(region_name=names[id(block)], recompute_state_hooks=hooks)(block)
+            fn = wrapped[id(block)] = torch_remat.checkpoint(
+                region_name=names[id(block)], recompute_state_hooks=hooks
+            )(block)
         return fn(x)
 
     model.checkpoint_fn = call
@@ -122,6 +126,16 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("torch", "torch.utils.checkpoint", _torch_checkpoint),
     Variant("torch_sac", "torch selective (matmuls)", _torch_selective),
     Variant("torch_remat", "torch_remat", _torch_remat, unavailable=_torch_remat_missing),
-    Variant("tracedac_recompute_all", "tracedac recompute_all", _tracedac(tracedac.policies.recompute_all()), tracedac=True),
-    Variant("tracedac_save_matmuls", "tracedac save_matmuls", _tracedac(tracedac.policies.save_matmuls()), tracedac=True),
+    Variant(
+        "tracedac_recompute_all",
+        "tracedac recompute_all",
+        _tracedac(tracedac.policies.recompute_all()),
+        tracedac=True,
+    ),
+    Variant(
+        "tracedac_save_matmuls",
+        "tracedac save_matmuls",
+        _tracedac(tracedac.policies.save_matmuls()),
+        tracedac=True,
+    ),
 )

@@ -89,7 +89,9 @@ def check_settings(cfg: Config, steps: int, device: str, world: int) -> None:
     if device != "cpu":
         raise ValueError(f"--zero runs on CPU with gloo; got --device {device}. Leave --device out.")
     if world < 2:
-        raise ValueError(f"WORLD_SIZE is {world}: ZeRO-3 with one rank shards nothing. Use --nproc-per-node 2.")
+        raise ValueError(
+            f"WORLD_SIZE is {world}: ZeRO-3 with one rank shards nothing. Use --nproc-per-node 2."
+        )
     if cfg.batch % world:
         raise ValueError(
             f"--batch {cfg.batch} does not split into {world} ranks' equal slices; use a multiple of {world}."
@@ -99,7 +101,7 @@ def check_settings(cfg: Config, steps: int, device: str, world: int) -> None:
 
 def _rank_batch(cfg: Config, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     per = cfg.batch // world
-    return tuple(t[rank * per:(rank + 1) * per] for t in make_batch(cfg))  # [B / world, T] each
+    return tuple(t[rank * per : (rank + 1) * per] for t in make_batch(cfg))  # [B / world, T] each
 
 
 def _step(trainer: Trainer, batch, seed: int) -> torch.Tensor:
@@ -201,10 +203,18 @@ def _measure(cfg: Config, steps: int, say, variants) -> tuple[dict[str, dict], d
         with AllGatherCounter() as counter:
             _step(trainer, batch, cfg.seed + _COUNT_SEED)
         held = _held_after_forward(trainer, batch, cfg.seed + _MEMORY_SEED)
-        held_doubled = None if key in compiled else _held_after_forward(trainer, doubled, cfg.seed + _MEMORY_SEED)
-        found[key].update(step_times_s=times[key], loss=losses[key], all_gather_bytes=dict(counter.bytes),
-                          all_gather_bytes_total=counter.total(), all_gather_calls=counter.calls,
-                          bytes_held=held, bytes_held_doubled=held_doubled)
+        held_doubled = (
+            None if key in compiled else _held_after_forward(trainer, doubled, cfg.seed + _MEMORY_SEED)
+        )
+        found[key].update(
+            step_times_s=times[key],
+            loss=losses[key],
+            all_gather_bytes=dict(counter.bytes),
+            all_gather_bytes_total=counter.total(),
+            all_gather_calls=counter.calls,
+            bytes_held=held,
+            bytes_held_doubled=held_doubled,
+        )
     return found, _unit_numels(base)
 
 
@@ -223,8 +233,9 @@ def _combine(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
                 row[field] = max(r[field] for r in rows)
             doubled = [r["bytes_held_doubled"] for r in rows]
             row["bytes_held_doubled"] = None if None in doubled else max(doubled)
-            row["bytes_fixed"] = (None if None in doubled
-                                  else max(2 * r["bytes_held"] - d for r, d in zip(rows, doubled)))
+            row["bytes_fixed"] = (
+                None if None in doubled else max(2 * r["bytes_held"] - d for r, d in zip(rows, doubled))
+            )
         out[key] = row
     return out
 
@@ -242,7 +253,9 @@ def _rows(found: dict[str, dict], units: dict[str, int], variants) -> list[dict]
             row["step_vs_fsdp2"] = None if baseline is None else step[v.key] / baseline
             unit = row["smallest_unit_bytes"] = smallest * (2 if v.bf16 else 4)
             fixed = row["bytes_fixed"]
-            row["full_unit_held"] = None if unit < _MIN_UNIT_BYTES or fixed is None else fixed >= _FULL_UNIT * unit
+            row["full_unit_held"] = (
+                None if unit < _MIN_UNIT_BYTES or fixed is None else fixed >= _FULL_UNIT * unit
+            )
             row["loss_diff"] = None if reference is None else abs(row["loss"] - reference)
         rows.append(row)
     return rows
@@ -261,14 +274,37 @@ def _compiled_targets(rows: list[dict]) -> list[dict]:
 
     breaks = [get(k, "graph_breaks") for k in ("tracedacc_fp32", "tracedacc_bf16")]
     return [
-        target("graph breaks, tracedac.zero compiled (checkpointed MoE)",
-               None if None in breaks else float(max(breaks)), 0, ""),
-        target("tracedac.zero compiled fp32 step / FSDP2 compiled fp32", get("tracedacc_fp32", "step_vs_fsdp2"), 1.00),
-        target("tracedac.zero compiled bf16 step / FSDP2 compiled bf16", get("tracedacc_bf16", "step_vs_fsdp2"), 1.00),
-        target("tracedac.zero compiled fp32 step / eager", ratio("tracedacc_fp32", "tracedac_fp32", "step_s"), 0.90),
-        target("tracedac.zero compiled bf16 step / eager", ratio("tracedacc_bf16", "tracedac_bf16", "step_s"), 0.90),
-        target("tracedac.zero compiled all-gather bytes, bf16 auto / fp32",
-               ratio("tracedacc_bf16", "tracedacc_fp32", "all_gather_bytes_total"), 0.55),
+        target(
+            "graph breaks, tracedac.zero compiled (checkpointed MoE)",
+            None if None in breaks else float(max(breaks)),
+            0,
+            "",
+        ),
+        target(
+            "tracedac.zero compiled fp32 step / FSDP2 compiled fp32",
+            get("tracedacc_fp32", "step_vs_fsdp2"),
+            1.00,
+        ),
+        target(
+            "tracedac.zero compiled bf16 step / FSDP2 compiled bf16",
+            get("tracedacc_bf16", "step_vs_fsdp2"),
+            1.00,
+        ),
+        target(
+            "tracedac.zero compiled fp32 step / eager",
+            ratio("tracedacc_fp32", "tracedac_fp32", "step_s"),
+            0.90,
+        ),
+        target(
+            "tracedac.zero compiled bf16 step / eager",
+            ratio("tracedacc_bf16", "tracedac_bf16", "step_s"),
+            0.90,
+        ),
+        target(
+            "tracedac.zero compiled all-gather bytes, bf16 auto / fp32",
+            ratio("tracedacc_bf16", "tracedacc_fp32", "all_gather_bytes_total"),
+            0.55,
+        ),
     ]
 
 
@@ -278,26 +314,50 @@ def _targets(rows: list[dict]) -> list[dict]:
     def get(key, field):
         return by[key].get(field) if key in by else None
 
-    fp32, bf16 = get("tracedac_fp32", "all_gather_bytes_total"), get("tracedac_bf16", "all_gather_bytes_total")
+    fp32, bf16 = (
+        get("tracedac_fp32", "all_gather_bytes_total"),
+        get("tracedac_bf16", "all_gather_bytes_total"),
+    )
     auto = get("tracedac_auto", "all_gather_bytes_total")
     targets = [
         target("tracedac.zero fp32 step time / FSDP2 fp32", get("tracedac_fp32", "step_vs_fsdp2"), 1.00),
         target("tracedac.zero bf16 step time / FSDP2 bf16", get("tracedac_bf16", "step_vs_fsdp2"), 1.00),
-        target("tracedac.zero all-gather bytes, bf16 / fp32", None if not (fp32 and bf16) else bf16 / fp32, 0.55),
-        target("tracedac.zero all-gather bytes, bf16 auto / fp32", None if not (fp32 and auto) else auto / fp32, 0.55),
+        target(
+            "tracedac.zero all-gather bytes, bf16 / fp32", None if not (fp32 and bf16) else bf16 / fp32, 0.55
+        ),
+        target(
+            "tracedac.zero all-gather bytes, bf16 auto / fp32",
+            None if not (fp32 and auto) else auto / fp32,
+            0.55,
+        ),
     ]
     for key in ("tracedac_fp32", "tracedac_bf16"):
-        fixed, unit, held = get(key, "bytes_fixed"), get(key, "smallest_unit_bytes"), get(key, "full_unit_held")
-        fixed_part = target(f"{by[key]['label'] if key in by else key}: fixed part held after forward / "
-                            "smallest unit (no full unit held)", None if unit is None else fixed / unit, _FULL_UNIT)
+        fixed, unit, held = (
+            get(key, "bytes_fixed"),
+            get(key, "smallest_unit_bytes"),
+            get(key, "full_unit_held"),
+        )
+        fixed_part = target(
+            f"{by[key]['label'] if key in by else key}: fixed part held after forward / "
+            "smallest unit (no full unit held)",
+            None if unit is None else fixed / unit,
+            _FULL_UNIT,
+        )
         # the row's verdict; None where units are too small to tell from the graph's own bookkeeping
         fixed_part["passed"] = None if held is None else not held
         targets.append(fixed_part)
     return targets
 
 
-def run(cfg: Config = Config(), *, steps: int = STEPS, quick: bool = False, progress: TextIO | None = sys.stderr,
-        system_malloc: bool = False, compile: bool = False) -> dict:
+def run(
+    cfg: Config = Config(),
+    *,
+    steps: int = STEPS,
+    quick: bool = False,
+    progress: TextIO | None = sys.stderr,
+    system_malloc: bool = False,
+    compile: bool = False,
+) -> dict:
     """Run the comparison on the initialized default process group; every rank gets the figures.
 
     ``quick`` swaps in ``checkpointing.QUICK`` (a tiny model) and at most two timed steps.
@@ -366,8 +426,13 @@ def init(init_method: str, timeout_s: float = 600.0) -> int:
     sets them); returns this process's rank. ``timeout_s`` bounds every collective, so a
     rank that dies makes the others fail instead of waiting forever."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     return rank
 
 
@@ -408,16 +473,27 @@ def _row_cells(row: dict) -> list[str]:
 def format_report(result: dict) -> str:
     """The figures of ``run`` as a table and the targets with marks."""
     cfg = result["config"]
-    header = ["variant", "graph breaks", "first step", "step (median)",
-              "vs FSDP2 compiled" if result.get("compiled") else "vs FSDP2", "held after fwd", "of it fixed",
-              "full unit held?",
-              "all-gather / step", f"loss after {result['steps']}", "|loss - replicated|"]
+    header = [
+        "variant",
+        "graph breaks",
+        "first step",
+        "step (median)",
+        "vs FSDP2 compiled" if result.get("compiled") else "vs FSDP2",
+        "held after fwd",
+        "of it fixed",
+        "full unit held?",
+        "all-gather / step",
+        f"loss after {result['steps']}",
+        "|loss - replicated|",
+    ]
     cells = {r["key"]: _row_cells(r) for r in result["variants"] if r["status"] == "ok"}
     widths = [max(len(c[i]) for c in [header, *cells.values()]) for i in range(len(header))]
     widths[0] = max([widths[0]] + [len(r["label"]) for r in result["variants"]])
 
     def line(c: list[str]) -> str:
-        return "  ".join(x.ljust(w) if i in (0, 8) else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))).rstrip()
+        return "  ".join(
+            x.ljust(w) if i in (0, 8) else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))
+        ).rstrip()
 
     def row_line(row: dict) -> str:
         if row["status"] != "ok":  # says why across the row: its message sets no column's width
@@ -427,10 +503,12 @@ def format_report(result: dict) -> str:
     units = result["units"]
     smallest = min(units.values())
     out = [
-        f"model: {cfg['layers']} blocks, dim {cfg['dim']}, {cfg['heads']} heads, {cfg['experts']} experts "
-        f"(top {cfg['top_k']}, width {cfg['expert_hidden']}), global batch {cfg['batch']}x{cfg['seq']} tokens "
+        f"model: {cfg['layers']} blocks, dim {cfg['dim']}, {cfg['heads']} heads, "
+        f"{cfg['experts']} experts (top {cfg['top_k']}, width {cfg['expert_hidden']}), "
+        f"global batch {cfg['batch']}x{cfg['seq']} tokens "
         f"({cfg['batch'] // result['world_size']} per rank), vocab {cfg['vocab']}, dropout {cfg['dropout']}",
-        f"{result['world_size']} ranks (gloo, CPU), {result['threads_per_rank']} threads each, torch {result['torch']}"
+        f"{result['world_size']} ranks (gloo, CPU), {result['threads_per_rank']} threads each, "
+        f"torch {result['torch']}"
         f"{', deepspeed ' + result['deepspeed'] if result['deepspeed'] else ''}; {result['optimizer']}; "
         f"{result['steps']} timed steps per variant; timing allocator: {result['timing_allocator']}",
         f"units: root {units['<root>']:,} parameters, each block {units.get('blocks.0', 0):,}; "

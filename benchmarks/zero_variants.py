@@ -100,7 +100,11 @@ def _replicated(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
 def _tracedac(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     from tracedac import zero
 
-    mp = zero.MixedPrecision(torch.bfloat16, torch.float32, low_precision_modules=(nn.Linear, MoE)) if bf16 else None
+    mp = (
+        zero.MixedPrecision(torch.bfloat16, torch.float32, low_precision_modules=(nn.Linear, MoE))
+        if bf16
+        else None
+    )
     zero.shard(model, mixed_precision=mp)  # units: each block (a ModuleList child), the rest as root
     return Trainer(model, _adamw(model))
 
@@ -136,7 +140,6 @@ def _tracedac_checkpointed(model: GPT, bf16: bool, per_rank_batch: int) -> Train
 def _tracedac_compiled(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     """torchtitan's order: checkpoint each block, shard, compile each block (fullgraph)."""
     import tracedac
-    from tracedac import zero
 
     for block in model.blocks:
         tracedac.checkpoint(block)
@@ -177,7 +180,11 @@ def _fsdp2(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -193,8 +200,12 @@ def _deepspeed(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
         "train_micro_batch_size_per_gpu": per_rank_batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 2**31 - 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                              "stage3_prefetch_bucket_size": 0},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0,
+        },
         "bf16": {"enabled": bf16},
     }
     if bf16:
@@ -204,13 +215,17 @@ def _deepspeed(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     # once a step each.
     warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
     with contextlib.redirect_stdout(io.StringIO()):
-        engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model), config=config, dist_init_required=False)
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=_adamw(model), config=config, dist_init_required=False
+        )
     return _DeepSpeed(engine, engine.optimizer)
 
 
 def _no_deepspeed() -> str | None:
     """Why the DeepSpeed rows cannot run, or None. (tracedac.zero and FSDP2 ship with tracedac and torch.)"""
-    return None if importlib.util.find_spec("deepspeed") is not None else "not installed (pip install deepspeed)"
+    return (
+        None if importlib.util.find_spec("deepspeed") is not None else "not installed (pip install deepspeed)"
+    )
 
 
 @dataclass(frozen=True)
@@ -250,18 +265,59 @@ ZERO_VARIANTS: tuple[ZeroVariant, ...] = (
 # checkpointed; tracedac compiled against FSDP2 compiled, and against itself eager.
 COMPILED_VARIANTS: tuple[ZeroVariant, ...] = (
     ZeroVariant("replicated", "replicated (all-reduce) fp32", "replicated", False, _replicated),
-    ZeroVariant("tracedac_fp32", "tracedac.zero eager fp32", "tracedac", False, _tracedac_checkpointed,
-                baseline="fsdp2c"),
-    ZeroVariant("tracedacc_fp32", "tracedac.zero compiled fp32", "tracedac", False, _tracedac_compiled,
-                baseline="fsdp2c", compiled=True),
-    ZeroVariant("fsdp2c_fp32", "FSDP2 compiled fp32", "fsdp2", False, _fsdp2_compiled, baseline="fsdp2c",
-                compiled=True),
-    ZeroVariant("tracedac_bf16", "tracedac.zero eager bf16 auto", "tracedac", True, _tracedac_checkpointed,
-                baseline="fsdp2c"),
-    ZeroVariant("tracedacc_bf16", "tracedac.zero compiled bf16 auto", "tracedac", True, _tracedac_compiled,
-                baseline="fsdp2c", compiled=True),
-    ZeroVariant("fsdp2c_bf16", "FSDP2 compiled bf16", "fsdp2", True, _fsdp2_compiled, baseline="fsdp2c",
-                compiled=True),
-    ZeroVariant("tracedacc_bf16_unchecked", "(compiled bf16 auto, no order check)", "tracedac", True,
-                _tracedac_compiled_unchecked, baseline="fsdp2c", compiled=True),
+    ZeroVariant(
+        "tracedac_fp32",
+        "tracedac.zero eager fp32",
+        "tracedac",
+        False,
+        _tracedac_checkpointed,
+        baseline="fsdp2c",
+    ),
+    ZeroVariant(
+        "tracedacc_fp32",
+        "tracedac.zero compiled fp32",
+        "tracedac",
+        False,
+        _tracedac_compiled,
+        baseline="fsdp2c",
+        compiled=True,
+    ),
+    ZeroVariant(
+        "fsdp2c_fp32",
+        "FSDP2 compiled fp32",
+        "fsdp2",
+        False,
+        _fsdp2_compiled,
+        baseline="fsdp2c",
+        compiled=True,
+    ),
+    ZeroVariant(
+        "tracedac_bf16",
+        "tracedac.zero eager bf16 auto",
+        "tracedac",
+        True,
+        _tracedac_checkpointed,
+        baseline="fsdp2c",
+    ),
+    ZeroVariant(
+        "tracedacc_bf16",
+        "tracedac.zero compiled bf16 auto",
+        "tracedac",
+        True,
+        _tracedac_compiled,
+        baseline="fsdp2c",
+        compiled=True,
+    ),
+    ZeroVariant(
+        "fsdp2c_bf16", "FSDP2 compiled bf16", "fsdp2", True, _fsdp2_compiled, baseline="fsdp2c", compiled=True
+    ),
+    ZeroVariant(
+        "tracedacc_bf16_unchecked",
+        "(compiled bf16 auto, no order check)",
+        "tracedac",
+        True,
+        _tracedac_compiled_unchecked,
+        baseline="fsdp2c",
+        compiled=True,
+    ),
 )

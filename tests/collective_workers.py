@@ -201,8 +201,11 @@ def compiled(rank, world, names=tuple(POLICIES)):
     *_, want = _step(block, x, sizes)
 
     def collectives(graph) -> dict:
-        ops = [str(n.target) for n in graph.nodes if n.op == "call_function"
-               and getattr(n.target, "namespace", None) == "_c10d_functional"]
+        ops = [
+            str(n.target)
+            for n in graph.nodes
+            if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+        ]
         return {op: ops.count(op) for op in sorted(set(ops))}
 
     out = {}
@@ -216,17 +219,27 @@ def compiled(rank, world, names=tuple(POLICIES)):
             return block(x, sizes).square().sum()
 
         (part,) = partition(step, x.clone().requires_grad_())
-        tags = {(n.meta.get("recompute"), n.meta.get(DECISION)) for n in part.fw.graph.nodes
-                if getattr(n.target, "namespace", None) == "_c10d_functional"}
-        recomputed = [str(n.target) for n in part.replayed
-                      if getattr(n.target, "namespace", None) == "_c10d_functional"]
+        tags = {
+            (n.meta.get("recompute"), n.meta.get(DECISION))
+            for n in part.fw.graph.nodes
+            if getattr(n.target, "namespace", None) == "_c10d_functional"
+        }
+        recomputed = [
+            str(n.target) for n in part.replayed if getattr(n.target, "namespace", None) == "_c10d_functional"
+        ]
         torch._dynamo.reset()
         xg = x.clone().requires_grad_()
         block.zero_grad()
         torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)(xg).backward()
         got = [xg.grad, *(p.grad for p in block.parameters())]
-        out[name] = (collectives(part.fw.graph), collectives(part.bw.graph), tags, recomputed,
-                     sum(counters["graph_break"].values()), _difference(got, want))
+        out[name] = (
+            collectives(part.fw.graph),
+            collectives(part.bw.graph),
+            tags,
+            recomputed,
+            sum(counters["graph_break"].values()),
+            _difference(got, want),
+        )
         tracedac.unwrap(block)
     return out
 

@@ -47,7 +47,9 @@ class Router(nn.Module):
 
     def forward(self, x):  # [N, D]
         weights, experts = self.gate(x).softmax(-1).topk(self.top_k, dim=-1)  # [N, k]
-        self.tokens_per_expert.add_(torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel()))
+        self.tokens_per_expert.add_(
+            torch.bincount(experts.flatten(), minlength=self.tokens_per_expert.numel())
+        )
         return (x.unsqueeze(1) * weights.unsqueeze(-1)).sum(1)
 
 
@@ -63,7 +65,11 @@ def test_every_decorator_form_checkpoints_and_matches_eager():
 
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 16, requires_grad=True)
-    forms = [checkpoint(f), checkpoint(policy=policies.save_matmuls())(f), checkpoint(f, policy=policies.recompute_all())]
+    forms = [
+        checkpoint(f),
+        checkpoint(policy=policies.save_matmuls())(f),
+        checkpoint(f, policy=policies.recompute_all()),
+    ]
 
     @checkpoint
     def g(x, w):
@@ -163,7 +169,13 @@ def test_wrap_checkpoints_matching_modules_and_not_their_children():
     assert [n for n, m in model.named_modules() if hasattr(m, "_tracedac")] == ["0", "1.0"]
     model = nn.Sequential(Block(), nn.Linear(32, 32))
     wrap(model, (nn.Linear,))
-    assert [n for n, m in model.named_modules() if hasattr(m, "_tracedac")] == ["0.qkv", "0.proj", "0.fc", "0.out", "1"]
+    assert [n for n, m in model.named_modules() if hasattr(m, "_tracedac")] == [
+        "0.qkv",
+        "0.proj",
+        "0.fc",
+        "0.out",
+        "1",
+    ]
     model = nn.Sequential(Block(), Block())
     wrap(model, lambda name, m: name == "1")
     assert [n for n, m in model.named_modules() if hasattr(m, "_tracedac")] == ["1"]
@@ -309,7 +321,9 @@ def test_a_kept_output_changed_after_forward_that_cannot_be_rebuilt_is_refused()
     y = checkpoint(lambda x: x.exp(), policy=policies.save_all())(x)
     with torch.no_grad():
         y.mul_(3)
-    with pytest.raises(CheckpointError, match="aten.exp.default .*kept for backward, was modified in place after the forward"):
+    with pytest.raises(
+        CheckpointError, match="aten.exp.default .*kept for backward, was modified in place after the forward"
+    ):
         y.backward(torch.ones_like(y))
 
 
@@ -380,13 +394,23 @@ def test_under_no_grad_a_region_just_runs():
 def test_non_tensor_none_keyword_and_nested_container_arguments_and_outputs():
     def f(x, scale, maybe=None, *, mode="sum", extra=None):
         h = (x * scale).sin()
-        return {"loss": h.sum() if mode == "sum" else h.mean(), "parts": [h, None, (x.cos(), 3)], "tag": mode, "extra": extra}
+        return {
+            "loss": h.sum() if mode == "sum" else h.mean(),
+            "parts": [h, None, (x.cos(), 3)],
+            "tag": mode,
+            "extra": extra,
+        }
 
     x = torch.randn(5, requires_grad=True)
     ref = f(x, 2.0, None, mode="mean")
     out = checkpoint(f)(x, 2.0, None, mode="mean")
-    assert out["tag"] == "mean" and out["extra"] is None and out["parts"][1] is None and out["parts"][2][1] == 3
-    total = lambda o: o["loss"] + o["parts"][0].sum() + o["parts"][2][0].sum()
+    assert (
+        out["tag"] == "mean" and out["extra"] is None and out["parts"][1] is None and out["parts"][2][1] == 3
+    )
+
+    def total(o):
+        return o["loss"] + o["parts"][0].sum() + o["parts"][2][0].sum()
+
     assert torch.equal(torch.autograd.grad(total(ref), x)[0], torch.autograd.grad(total(out), x)[0])
 
 
@@ -425,7 +449,9 @@ def test_custom_autograd_functions_and_library_ops_replay():
         ctx.save_for_backward(inputs[0])
         ctx.s = inputs[1]
 
-    scaled_sin.register_autograd(lambda ctx, g: (g * torch.cos(ctx.saved_tensors[0]) * ctx.s, None), setup_context=setup)
+    scaled_sin.register_autograd(
+        lambda ctx, g: (g * torch.cos(ctx.saved_tensors[0]) * ctx.s, None), setup_context=setup
+    )
 
     def f(x):
         h = Cube.apply(x.exp())
@@ -493,8 +519,11 @@ def test_a_new_partial_of_the_same_layer_each_call_finds_the_plan_made_for_its_c
         for layer in layers:
             x = torch.randn(2, 8, 32, requires_grad=True)
             mask = torch.rand(32)
-            out = checkpoint_call(functools.partial(lambda self, h, mask: Block.forward(self, h) * mask, layer, mask=mask),
-                                  x, policy=policy)
+            out = checkpoint_call(
+                functools.partial(lambda self, h, mask: Block.forward(self, h) * mask, layer, mask=mask),
+                x,
+                policy=policy,
+            )
             expected = torch.autograd.grad((layer(x) * mask).sum(), (x, *layer.parameters()))
             got = torch.autograd.grad(out.sum(), (x, *layer.parameters()))
             assert all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -527,8 +556,8 @@ def test_a_cached_plan_is_not_applied_where_autograd_saved_something_else():
     saves: the region checks what autograd saved against what the plan was made for, and
     plans again (measured at the allocator)."""
     from benchmarks.probe import allocated_bytes
-    from tracedac.region import current_region
     from tracedac.plan_cache import plans
+    from tracedac.region import current_region
 
     regions = []
     w = torch.randn(256, 256) / 16
@@ -578,7 +607,9 @@ def test_unwrap_removes_every_hook_and_leaves_state_dict_keys_and_a_plain_forwar
     wrap(model, Block, policy=policies.save_matmuls())
     checkpoint(model[1].fc)  # inside a wrapped block: unwrap finds it too
     assert tracedac.unwrap(model) is model
-    assert not any(m._forward_pre_hooks or m._forward_hooks or hasattr(m, "_tracedac") for m in model.modules())
+    assert not any(
+        m._forward_pre_hooks or m._forward_hooks or hasattr(m, "_tracedac") for m in model.modules()
+    )
     assert list(model.state_dict()) == keys
     with reporting() as regions:
         assert torch.equal(model(x), expected)

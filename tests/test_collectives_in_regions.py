@@ -113,8 +113,10 @@ def test_a_compiled_moe_block_recomputes_no_collective_and_matches_eager(compile
     policies, results = compiled_ranks
     for r in part(results, "compiled"):
         plain = r["plain"]
-        assert plain[1] == {"_c10d_functional.all_to_all_single.default": 2,
-                            "_c10d_functional.wait_tensor.default": 2}, plain
+        assert plain[1] == {
+            "_c10d_functional.all_to_all_single.default": 2,
+            "_c10d_functional.wait_tensor.default": 2,
+        }, plain
         assert plain[4] == 0 and plain[5] < 1e-5, plain
         for policy in policies:
             forward, backward, tags, recomputed, breaks, difference = r[policy]

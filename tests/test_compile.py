@@ -77,6 +77,7 @@ def region_bytes(m, x) -> int:
 
 X = torch.randn(8, 16)
 
+
 @pytest.fixture(scope="module")
 def reference():
     """Gradients and router counts of the model without checkpointing (eager: the compiled
@@ -85,8 +86,9 @@ def reference():
     return step(ref, X), ref[0].tokens.clone()
 
 
-@pytest.mark.parametrize("policy", [policies.recompute_all(), policies.memory_budget(0.5), policies.min_cut()],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "policy", [policies.recompute_all(), policies.memory_budget(0.5), policies.min_cut()], ids=repr
+)
 def test_whole_model_compiles_fullgraph_dynamic_with_side_effects_once_and_equal_gradients(policy, reference):
     m = model(policy)
     hooks = []
@@ -106,7 +108,9 @@ def test_each_policy_changes_what_the_compiled_forward_saves():
     half of what the compiled model saves without checkpointing."""
     x = X.clone().requires_grad_()
     full = region_bytes(model(), x)
-    kept = {repr(p): region_bytes(model(p), x) for p in (policies.recompute_all(), policies.memory_budget(0.5))}
+    kept = {
+        repr(p): region_bytes(model(p), x) for p in (policies.recompute_all(), policies.memory_budget(0.5))
+    }
     report = tracedac.saved_report(torch.compile(model(policies.save_matmuls()), backend=BACKEND), x)
     assert kept["recompute_all()"] < report.kept_bytes < full
     assert kept["memory_budget(0.5)"] <= 0.5 * full
@@ -116,8 +120,15 @@ def test_each_policy_changes_what_the_compiled_forward_saves():
 
 def test_regions_with_different_policies_and_budgets_share_one_graph():
     m = model(n=4)
-    for blk, p in zip(m, [policies.memory_budget(0.2), policies.memory_budget(0.8), policies.save_matmuls(),
-                          policies.recompute_all()]):
+    for blk, p in zip(
+        m,
+        [
+            policies.memory_budget(0.2),
+            policies.memory_budget(0.8),
+            policies.save_matmuls(),
+            policies.recompute_all(),
+        ],
+    ):
         tracedac.checkpoint(blk, policy=p)
     (part,) = partition(m, X.clone().requires_grad_())
     ids = {}
@@ -126,7 +137,9 @@ def test_regions_with_different_policies_and_budgets_share_one_graph():
         if "tracedac_region" in custom and "ac_graph_id" in n.meta:
             ids.setdefault(custom["tracedac_region"], set()).add(n.meta["ac_graph_id"])
         elif "tracedac_region" in custom:  # left to the partitioner: a value made from no tensor (zeros)
-            assert not any(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes), n.format_node()
+            assert not any(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes), (
+                n.format_node()
+            )
     assert len(ids) == 4 and all(len(v) == 1 for v in ids.values())
     assert sorted(min(v) for v in ids.values()) == [1, 2, 3, 4]
     saved = {}
@@ -180,7 +193,9 @@ def test_split_results_are_views_of_the_projection_a_full_budget_keeps():
     (part,) = partition(m, *make_batch(QUICK))
 
     def feeds_split(n, depth=3):
-        return depth > 0 and any(u.target is torch.ops.aten.split.Tensor or feeds_split(u, depth - 1) for u in n.users)
+        return depth > 0 and any(
+            u.target is torch.ops.aten.split.Tensor or feeds_split(u, depth - 1) for u in n.users
+        )
 
     qkv = {n.name for n in part.fw.graph.nodes if n.target is torch.ops.aten.addmm.default and feeds_split(n)}
     assert len(qkv) == QUICK.layers
@@ -212,8 +227,14 @@ def test_torchtitan_order_checkpoint_each_block_then_compile_each_block():
     ref = model()
     ref_blocks = nn.Sequential(*[torch.compile(b, backend=BACKEND, fullgraph=True) for b in ref])
     m = model()
-    blocks = nn.Sequential(*[torch.compile(tracedac.checkpoint(b, policy=policies.save_matmuls()), backend=BACKEND,
-                                           fullgraph=True) for b in m])
+    blocks = nn.Sequential(
+        *[
+            torch.compile(
+                tracedac.checkpoint(b, policy=policies.save_matmuls()), backend=BACKEND, fullgraph=True
+            )
+            for b in m
+        ]
+    )
     counters.clear()
     for a, b in zip(step(ref_blocks, X), step(blocks, X), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
@@ -249,8 +270,9 @@ def test_a_deep_copy_of_a_checkpointed_model_compiles_under_its_policy():
     policy (``copy.deepcopy`` of the model, an EMA copy) is held as the original is."""
     import copy
 
-    base = tracedac.checkpoint(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)),
-                               policy=policies.save_matmuls())
+    base = tracedac.checkpoint(
+        nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)), policy=policies.save_matmuls()
+    )
     twin = copy.deepcopy(base)
     assert twin._tracedac.policy is not base._tracedac.policy
     (part,) = partition(twin, X.clone().requires_grad_())
@@ -305,7 +327,9 @@ def test_a_buffer_backward_needs_changed_after_the_forward_is_an_error():
     x = X.clone().requires_grad_()
     out = c(x)
     m.scale.add_(1.0)
-    with pytest.raises((RuntimeError, CheckpointError), match="modified by an inplace operation|modified in place"):
+    with pytest.raises(
+        (RuntimeError, CheckpointError), match="modified by an inplace operation|modified in place"
+    ):
         out.sum().backward()
 
 
@@ -425,9 +449,14 @@ def test_inductor_caches_never_serve_one_policy_the_partition_of_another():
         print(first, other, again)
     """)
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(tracedac.__file__)),
-               "TORCHINDUCTOR_CACHE_DIR": cache}
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.path.dirname(os.path.dirname(tracedac.__file__)),
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, other, again = map(int, proc.stdout.split())
     assert other < first and again == first
@@ -590,7 +619,9 @@ def test_a_budget_below_what_must_save_names_the_bytes_it_measures_under_compile
             h = tracedac.name(torch.relu(self.l1(x)), "a")
             return self.l2(h).sin().cos()
 
-    m = tracedac.checkpoint(Two(), policy=policies.either(policies.save_names("a"), policies.memory_budget(0.01)))
+    m = tracedac.checkpoint(
+        Two(), policy=policies.either(policies.save_names("a"), policies.memory_budget(0.01))
+    )
     c = torch.compile(m, backend=BACKEND, fullgraph=True)
     with pytest.raises(Exception) as err:
         c(torch.randn(32, 64, requires_grad=True)).sum().backward()
@@ -606,7 +637,9 @@ def test_a_compiled_report_names_every_input_and_module_as_the_model_does():
     qualified name (not dynamo's ``blocks.0.forward.args[0].up``), shapes as numbers, and the
     generator states dropout's replay needs as what they are."""
     m = model(policies.save_matmuls(), dropout=0.5)
-    report = tracedac.saved_report(torch.compile(m, backend=BACKEND, fullgraph=True), X.clone().requires_grad_())
+    report = tracedac.saved_report(
+        torch.compile(m, backend=BACKEND, fullgraph=True), X.clone().requires_grad_()
+    )
     inputs = [r.why.split(":")[0] for r in report.rows if r.kind == "input"]
     assert "argument 0" in inputs and "0.up.weight" in inputs and "2.down.weight" in inputs, inputs
     assert all(r.module is None or (".forward" not in r.module and "[" not in r.module) for r in report.rows)

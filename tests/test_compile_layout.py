@@ -24,9 +24,15 @@ def test_install_runs_the_passes_of_passes_in_their_order(monkeypatch):
     import tracedac.compile.install as install
     from tracedac.compile import passes
 
-    assert [name for _, name in passes.PASSES] == ["fuse_gather_casts", "tag_regions", "prefetch_gathers",
-                                                   "tag_gathers"]
-    on_disk = {f[:-3] for f in os.listdir(os.path.dirname(passes.__file__)) if f.endswith(".py")} - {"__init__"}
+    assert [name for _, name in passes.PASSES] == [
+        "fuse_gather_casts",
+        "tag_regions",
+        "prefetch_gathers",
+        "tag_gathers",
+    ]
+    on_disk = {f[:-3] for f in os.listdir(os.path.dirname(passes.__file__)) if f.endswith(".py")} - {
+        "__init__"
+    }
     assert {m.__name__.rpartition(".")[2] for m, _ in passes.PASSES} == on_disk  # every pass file runs
     ran = []
     for module, name in passes.PASSES:

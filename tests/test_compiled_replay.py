@@ -169,7 +169,9 @@ def test_nested_regions_read_the_enclosing_regions_handles(compiling):
         h = (x @ w1).sigmoid()  # the inner region reads it: replayed by the outer region's pass
         return inner(h).sum()
 
-    _against_uncheckpointed(f, x, [w1, w2], functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6))
+    _against_uncheckpointed(
+        f, x, [w1, w2], functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6)
+    )
     # both regions' passes compile on their second backward; the inner one's input is the
     # outer region's handle on h
     assert compiled.stats() == {"eager": 2, "compiled": 2, "runs": 4}

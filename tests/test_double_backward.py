@@ -183,7 +183,7 @@ def test_a_hessian_vector_product_through_a_checkpointed_function_matches_eager(
         return checkpointed(x, *[c.view_as(p) for c, p in zip(chunks, params)]).square().mean()
 
     hessian = torch.autograd.functional.hessian(loss_of, flat)
-    hv = torch.cat([h.reshape(-1) for h in hvp(checkpointed)[len(params):]])
+    hv = torch.cat([h.reshape(-1) for h in hvp(checkpointed)[len(params) :]])
     torch.testing.assert_close(hv, hessian @ torch.cat([v.reshape(-1) for v in vs]), rtol=1e-10, atol=1e-10)
 
 
@@ -279,14 +279,16 @@ def test_double_backward_through_compiled_code_is_torchs_clear_error_with_or_wit
         (g,) = torch.autograd.grad(compiled(x), x, create_graph=True)
         want = torch.autograd.grad(plain(x).square().sum(), x)[0]
         torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-10)
-        with pytest.raises(RuntimeError, match="torch.compile with aot_autograd does not currently support "
-                                               "double backward"):
+        with pytest.raises(
+            RuntimeError, match="torch.compile with aot_autograd does not currently support double backward"
+        ):
             g.square().sum().backward()
     # the documented way out: the region eager, the rest as the user likes
     (g,) = torch.autograd.grad(region(x).square().sum(), x, create_graph=True)
     g.square().sum().backward()
     want = torch.autograd.grad(
-        torch.autograd.grad(plain(x).square().sum(), x, create_graph=True)[0].square().sum(), w)[0]
+        torch.autograd.grad(plain(x).square().sum(), x, create_graph=True)[0].square().sum(), w
+    )[0]
     torch.testing.assert_close(w.grad, want, rtol=1e-10, atol=1e-10)
 
 
@@ -302,8 +304,11 @@ def _held_after_forward(fn, x):
     return allocated_bytes() - before, out, before
 
 
-@pytest.mark.parametrize("policy", [POLICIES[k] for k in ("recompute_all", "save_matmuls", "memory_budget")],
-                         ids=["recompute_all", "save_matmuls", "memory_budget"])
+@pytest.mark.parametrize(
+    "policy",
+    [POLICIES[k] for k in ("recompute_all", "save_matmuls", "memory_budget")],
+    ids=["recompute_all", "save_matmuls", "memory_budget"],
+)
 def test_a_first_order_backward_still_holds_only_what_the_policy_keeps(policy):
     """Giving saved tensors their eager history at unpack must cost nothing when no one asks
     for it: after the forward the allocator holds what saved_report says the policy keeps

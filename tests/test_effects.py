@@ -22,8 +22,11 @@ from tracedac.region import reporting
 from tracedac.replay import fill_fresh_with_nan
 
 POLICIES = [
-    policies.recompute_all(), policies.save_all(), policies.save_matmuls(),
-    policies.memory_budget(0.3), policies.min_cut(),
+    policies.recompute_all(),
+    policies.save_all(),
+    policies.save_matmuls(),
+    policies.memory_budget(0.3),
+    policies.min_cut(),
 ]
 IDS = [repr(p) for p in POLICIES]
 
@@ -48,7 +51,9 @@ def assert_module_matches_eager(make, shape, policy, steps=2, dtype=torch.float6
             torch.manual_seed(100 + step)
             y = _first(module(xi))
             (y * torch.arange(y.numel(), dtype=dtype).view_as(y)).sum().backward()
-            results.append((y.detach(), xi.grad, [p.grad.clone() for p in module.parameters()], torch.get_rng_state()))
+            results.append(
+                (y.detach(), xi.grad, [p.grad.clone() for p in module.parameters()], torch.get_rng_state())
+            )
             module.zero_grad()
         (y0, gx0, gp0, rng0), (y1, gx1, gp1, rng1) = results
         assert torch.equal(y0, y1)
@@ -63,15 +68,35 @@ def assert_module_matches_eager(make, shape, policy, steps=2, dtype=torch.float6
 NORMS = {
     "bn1d": (lambda: nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3)), (8, 5)),
     "bn1d_seq": (lambda: nn.Sequential(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4)), (2, 3, 7)),
-    "bn2d": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1)), (2, 3, 6, 6)),
-    "bn2d_cma": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.Tanh()), (2, 3, 5, 5)),
-    "bn2d_no_affine": (lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, affine=False)), (2, 3, 4, 4)),
+    "bn2d": (
+        lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1)),
+        (2, 3, 6, 6),
+    ),
+    "bn2d_cma": (
+        lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=None), nn.Tanh()),
+        (2, 3, 5, 5),
+    ),
+    "bn2d_no_affine": (
+        lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, affine=False)),
+        (2, 3, 4, 4),
+    ),
     "bn3d": (lambda: nn.Sequential(nn.Conv3d(2, 3, 2), nn.BatchNorm3d(3), nn.ReLU()), (2, 2, 4, 4, 4)),
     "bn_twice": (lambda: _Twice(nn.BatchNorm1d(4)), (6, 4)),
-    "bn2d_channels_last": (lambda: nn.Sequential(_ChannelsLast(), nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)), (2, 3, 5, 5)),
+    "bn2d_channels_last": (
+        lambda: nn.Sequential(_ChannelsLast(), nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)),
+        (2, 3, 5, 5),
+    ),
     "bn_eval": (lambda: nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6).eval(), nn.ReLU()), (8, 5)),
-    "instance_tracked": (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True, affine=True)), (2, 3, 6, 6)),
-    "instance1d_tracked": (lambda: nn.Sequential(nn.InstanceNorm1d(3, track_running_stats=True), nn.Tanh()), (2, 3, 9)),
+    "instance_tracked": (
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, track_running_stats=True, affine=True)
+        ),
+        (2, 3, 6, 6),
+    ),
+    "instance1d_tracked": (
+        lambda: nn.Sequential(nn.InstanceNorm1d(3, track_running_stats=True), nn.Tanh()),
+        (2, 3, 9),
+    ),
 }
 
 
@@ -171,7 +196,10 @@ RNNS = {
     "lstm": (lambda: nn.LSTM(4, 5), (3, 2, 4)),
     "lstm2_bi_drop": (lambda: nn.LSTM(4, 5, num_layers=2, bidirectional=True, dropout=0.3), (3, 2, 4)),
     "lstm_batch_first_proj": (lambda: nn.LSTM(4, 6, batch_first=True, proj_size=3), (2, 3, 4)),
-    "gru2_bi": (lambda: nn.GRU(4, 5, num_layers=2, bidirectional=True, batch_first=True, dropout=0.2), (2, 3, 4)),
+    "gru2_bi": (
+        lambda: nn.GRU(4, 5, num_layers=2, bidirectional=True, batch_first=True, dropout=0.2),
+        (2, 3, 4),
+    ),
     "rnn_relu2": (lambda: nn.RNN(4, 5, num_layers=2, nonlinearity="relu", dropout=0.5), (3, 2, 4)),
     "rnn_tanh_bi": (lambda: nn.RNN(4, 5, bidirectional=True, batch_first=True), (2, 3, 4)),
     "lstm_cell": (lambda: _Cells(nn.LSTMCell(4, 5)), (2, 4)),
@@ -210,7 +238,11 @@ def test_hidden_write_table_is_torchs_and_true():
     from tracedac.writes import EXTRA, hidden_writes
 
     aten = torch.ops.aten
-    assert hidden_writes(aten.native_batch_norm.default) == (5, "training", ((3, "running_mean"), (4, "running_var")))
+    assert hidden_writes(aten.native_batch_norm.default) == (
+        5,
+        "training",
+        ((3, "running_mean"), (4, "running_var")),
+    )
     assert hidden_writes(aten.cudnn_batch_norm.default)[2] == ((3, "running_mean"), (4, "running_var"))
     assert hidden_writes(aten._native_batch_norm_legit.default) is None  # its schema says so itself
     assert hidden_writes(aten.add.Tensor) is None
@@ -218,7 +250,8 @@ def test_hidden_write_table_is_torchs_and_true():
         namespace, op = name.split("::")
         packet = getattr(getattr(torch.ops, namespace), op)
         assert hidden_writes(packet.default)[2] == tuple(
-            (i, a.name) for i, a in enumerate(packet.default._schema.arguments) if a.name in written), reason
+            (i, a.name) for i, a in enumerate(packet.default._schema.arguments) if a.name in written
+        ), reason
     mean, var = torch.zeros(3), torch.ones(3)
     aten.batch_norm_update_stats(torch.randn(4, 3, 5), mean, var, 0.1)
     assert not torch.equal(mean, torch.zeros(3)) and not torch.equal(var, torch.ones(3))
@@ -228,6 +261,7 @@ def test_hidden_write_table_is_torchs_and_true():
 def test_writes_that_grow_their_output_match_eager(policy):
     """addbmm_ on a broadcastable self and an out= tensor of the wrong size resize the written
     tensor in place, as eager does; replay grows its private copy the same way."""
+
     def fn(x):
         s = torch.ones(4, dtype=x.dtype) * x.sum()
         s.addbmm_(x.exp(), x.transpose(1, 2))
@@ -252,6 +286,7 @@ def test_writes_through_a_tensor_list_argument_match_eager(policy):
     """``Tensor(a!)[]`` arguments (the ``_foreach_*_`` ops, what fused optimizers and AMP's
     unscale run) write every tensor of the list: replay must start from the written values, and
     two views of one storage in the list are one write."""
+
     def fn(x):
         y, z = x * 2, x + 1  # (nothing autograd saves is written: eager must accept it)
         torch._foreach_mul_([y, z], 3.0)

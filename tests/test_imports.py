@@ -133,8 +133,11 @@ def test_no_module_imports_from_a_layer_above_its_own():
 
 def test_the_checker_finds_a_circle_and_an_upward_import(monkeypatch):
     """The checks above can fail: a graph with a circle and an upward edge is reported."""
-    edges = {"tracedac.graph": {"tracedac.trace"}, "tracedac.trace": {"tracedac.graph", "tracedac.zero"},
-             "tracedac.zero": set()}
+    edges = {
+        "tracedac.graph": {"tracedac.trace"},
+        "tracedac.trace": {"tracedac.graph", "tracedac.zero"},
+        "tracedac.zero": set(),
+    }
     monkeypatch.setattr(__import__(__name__, fromlist=["EDGES"]), "EDGES", edges)
     assert _cycles() == [["tracedac.graph", "tracedac.trace"]]
     assert _layer("tracedac.zero.unit") > _layer("tracedac.trace")

@@ -35,7 +35,10 @@ def test_the_report_lists_what_each_policy_keeps_with_its_size_place_and_reason(
     x = torch.randn(2, 128, 256, requires_grad=True)
     nothing = saved_report(mlp, x)
     assert not [r for r in nothing.rows if r.kind == "activation"] and nothing.kept_bytes == 0
-    assert {r.why.split(":")[0].split(" of shape")[0] for r in nothing.rows} >= {"argument 0", "parameter 'fc.weight'"}
+    assert {r.why.split(":")[0].split(" of shape")[0] for r in nothing.rows} >= {
+        "argument 0",
+        "parameter 'fc.weight'",
+    }
 
     matmuls = saved_report(mlp, x, policy=policies.save_matmuls())
     (row,) = [r for r in matmuls.rows if r.kind == "activation"]
@@ -72,7 +75,9 @@ def test_a_checkpointed_module_is_reported_under_its_own_policy_unless_told_othe
     mlp = checkpoint(MLP(), policy=policies.save_matmuls())
     x = torch.randn(2, 8, 256, requires_grad=True)
     assert [r.op for r in saved_report(mlp, x).rows if r.kind == "activation"] == ["aten.addmm.default"]
-    assert not [r for r in saved_report(mlp, x, policy=policies.recompute_all()).rows if r.kind == "activation"]
+    assert not [
+        r for r in saved_report(mlp, x, policy=policies.recompute_all()).rows if r.kind == "activation"
+    ]
     assert mlp._tracedac.policy == policies.save_matmuls(), "the override does not stick"
 
 
@@ -131,8 +136,18 @@ def test_nested_regions_and_copies_of_written_inputs_are_reported():
 def test_print_saved_prints_a_table_and_totals(capsys):
     report = print_saved(MLP(), torch.randn(2, 8, 256, requires_grad=True), policy=policies.save_matmuls())
     text = capsys.readouterr().out
-    assert text.splitlines()[0].split() == ["region", "kind", "op", "shape", "dtype", "bytes", "source", "module",
-                                            "label", "why"]
+    assert text.splitlines()[0].split() == [
+        "region",
+        "kind",
+        "op",
+        "shape",
+        "dtype",
+        "bytes",
+        "source",
+        "module",
+        "label",
+        "why",
+    ]
     assert "aten.addmm.default  2x8x1024  float32  64.00 KiB" in text
     assert f"kept {human_bytes(report.kept_bytes)}" in text and "replayed in backward" in text
 

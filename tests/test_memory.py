@@ -6,13 +6,13 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint as torch_checkpoint, create_selective_checkpoint_contexts
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from tracedac import checkpoint, policies
-from tracedac.region import reporting
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from benchmarks.probe import allocated_bytes as allocated
+from tracedac import checkpoint, policies
+from tracedac.region import reporting
 
 MiB = 1 << 20
 N = (256, 1024)  # one activation: 1 MiB of fp32
@@ -28,8 +28,11 @@ def mlp(x, w1, w2):
 
 def args():
     torch.manual_seed(0)
-    return (torch.randn(*N, requires_grad=True), torch.randn(1024, 1024, requires_grad=True) / 32,
-            torch.randn(1024, 1024, requires_grad=True) / 32)
+    return (
+        torch.randn(*N, requires_grad=True),
+        torch.randn(1024, 1024, requires_grad=True) / 32,
+        torch.randn(1024, 1024, requires_grad=True) / 32,
+    )
 
 
 def held_after_forward(fn, *a):
@@ -63,8 +66,12 @@ def test_save_matmuls_holds_no_more_than_torch_selective_checkpointing():
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     a = args()
-    sac = functools.partial(torch_checkpoint, f, use_reentrant=False,
-                            context_fn=functools.partial(create_selective_checkpoint_contexts, sac_policy))
+    sac = functools.partial(
+        torch_checkpoint,
+        f,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, sac_policy),
+    )
     torch_held, out = held_after_forward(sac, *a)
     del out
     traced, out = held_after_forward(checkpoint(f, policy=policies.save_matmuls()), *a)

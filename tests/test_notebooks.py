@@ -7,7 +7,9 @@ import pytest
 
 # Optional: the dev extra installs both; a machine without them skips these tests and says why.
 nbformat = pytest.importorskip("nbformat", reason="nbformat (in the dev extra) runs the notebooks")
-NotebookClient = pytest.importorskip("nbclient", reason="nbclient (in the dev extra) runs the notebooks").NotebookClient
+NotebookClient = pytest.importorskip(
+    "nbclient", reason="nbclient (in the dev extra) runs the notebooks"
+).NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).parent.parent / "notebooks"
 
@@ -18,7 +20,9 @@ def execute(name: str, tmp_path) -> str:
     # The kernel runs in tmp_path: the clone's root goes on its path for benchmarks/ (not installed).
     root = str(NOTEBOOKS.parent.resolve())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute(env=env)
     outputs = [o for cell in nb.cells for o in cell.get("outputs", [])]
     errors = [o for o in outputs if o.get("output_type") == "error"]
     assert not errors, errors
@@ -26,9 +30,13 @@ def execute(name: str, tmp_path) -> str:
 
 
 def test_every_notebook_is_tested():
-    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == ["01_tour.ipynb", "02_memory_budget.ipynb",
-                                                                  "03_compile.ipynb", "04_zero.ipynb",
-                                                                  "05_huggingface.ipynb"]
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == [
+        "01_tour.ipynb",
+        "02_memory_budget.ipynb",
+        "03_compile.ipynb",
+        "04_zero.ipynb",
+        "05_huggingface.ipynb",
+    ]
 
 
 def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twice_under_torch(tmp_path):
@@ -79,6 +87,7 @@ def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memo
     assert "blocks.0.up.weight     DTensor  (Shard(dim=0),)" in text
     assert "forward graph of block 0: ['all_gather', 'release']" in text
     assert "backward graph of block 0: ['all_gather', 'reduce_grad']" in text and "graph breaks: 0" in text
+
     def row(name):
         bytes_, ratio = re.search(rf"{re.escape(name)} +(\{{.*\}})  / fp32 bytes: ([0-9.]+)", text).groups()
         return ast.literal_eval(bytes_), float(ratio)
@@ -90,6 +99,12 @@ def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memo
     assert set(row("bf16 auto, eager, step 1")[0]) == {"float32"}  # the observed first step
     assert "unit 'blocks.0' (trainable LayerNorm, auto dtype parameters): travels in torch.float32" in text
     assert "unit 'blocks.0' (trainable Linear, auto dtype parameters): travels in torch.bfloat16" in text
-    sharded, plain, unit = map(float, re.search(r"held after forward: sharded ([0-9.]+) KiB, unsharded ([0-9.]+) KiB; "
-                                                r"one block's parameters in fp32: ([0-9.]+) KiB", text).groups())
+    sharded, plain, unit = map(
+        float,
+        re.search(
+            r"held after forward: sharded ([0-9.]+) KiB, unsharded ([0-9.]+) KiB; "
+            r"one block's parameters in fp32: ([0-9.]+) KiB",
+            text,
+        ).groups(),
+    )
     assert abs(sharded - plain) < unit / 4  # activations only: no gathered block outlives its forward

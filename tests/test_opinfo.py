@@ -28,15 +28,21 @@ from tracedac import policies
 common_methods_invocations = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 
 POLICIES = [
-    policies.recompute_all(), policies.save_all(), policies.save_matmuls(),
-    policies.memory_budget(0.3), policies.min_cut(),
+    policies.recompute_all(),
+    policies.save_all(),
+    policies.save_matmuls(),
+    policies.memory_budget(0.3),
+    policies.min_cut(),
     policies.offload_kept(policies.save_all()),  # what save_all keeps, through host copies
 ]
 ALL_SAMPLES = os.environ.get("TRACEDAC_OPINFO_ALL", "") not in ("", "0")
 # how many samples of each op: TRACEDAC_OPINFO_SAMPLES=4 (ALL: every one; some ops have hundreds)
 SAMPLES = None if ALL_SAMPLES else int(os.environ.get("TRACEDAC_OPINFO_SAMPLES", "1"))
-OPS = [op for op in common_methods_invocations.op_db
-       if op.supports_autograd and torch.float64 in op.supported_dtypes("cpu")]
+OPS = [
+    op
+    for op in common_methods_invocations.op_db
+    if op.supports_autograd and torch.float64 in op.supported_dtypes("cpu")
+]
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "ops.md"
 
 
@@ -68,8 +74,10 @@ class _Case:
 
     def fresh(self):
         """Copies of the sample's tensors (leaves where the sample's require grad)."""
-        flat = [t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
-                for t in self.flat]
+        flat = [
+            t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+            for t in self.flat
+        ]
         return flat
 
     def function(self):
@@ -127,9 +135,16 @@ def _same(a, b, bitwise=True) -> bool:
             a, b = a.to(torch.complex64), b.to(torch.complex64)
         if not bitwise and a.is_floating_point() and a.shape == b.shape and a.dtype == b.dtype:
             return bool(torch.allclose(a, b, rtol=1e-7, atol=1e-12, equal_nan=True))
-        return a.shape == b.shape and a.dtype == b.dtype and bool(
-            torch.equal(a, b) or (a.is_floating_point() or a.is_complex()) and torch.equal(a.isnan(), b.isnan())
-            and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)))
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(
+                torch.equal(a, b)
+                or (a.is_floating_point() or a.is_complex())
+                and torch.equal(a.isnan(), b.isnan())
+                and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+            )
+        )
     return a == b or (a is None and b is None)
 
 
@@ -161,8 +176,9 @@ def check_op(op, refusals: dict) -> tuple[int, list[str]]:
     return checked, problems
 
 
-@pytest.mark.parametrize("op", OPS, ids=[f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
-                                        for op in OPS])
+@pytest.mark.parametrize(
+    "op", OPS, ids=[f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name for op in OPS]
+)
 def test_opinfo_op_matches_eager_under_every_policy(op):
     refusals: dict = {}
     checked, problems = check_op(op, refusals)

@@ -18,10 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tracedac
 from tracedac import policies
 
-from .test_opinfo import _Case, _samples, _same
+from .test_opinfo import _Case, _same, _samples
 from .test_opinfo import _execute as _run
 
 common_methods_invocations = pytest.importorskip("torch.testing._internal.common_methods_invocations")
@@ -30,21 +29,60 @@ BACKEND = "aot_eager_decomp_partition"
 POLICIES = [policies.recompute_all(), policies.memory_budget(0.3)]
 NAMES = (
     # views and multi-output ops
-    "split", "unbind", "chunk", "narrow", "diagonal", "transpose", "expand", "as_strided", "topk", "sort",
-    "max.reduction_with_dim", "var_mean", "nn.functional.layer_norm", "nn.functional.group_norm",
+    "split",
+    "unbind",
+    "chunk",
+    "narrow",
+    "diagonal",
+    "transpose",
+    "expand",
+    "as_strided",
+    "topk",
+    "sort",
+    "max.reduction_with_dim",
+    "var_mean",
+    "nn.functional.layer_norm",
+    "nn.functional.group_norm",
     # in-place writes, indexing, scatters
-    "index_add", "index_put", "scatter", "scatter_add", "index_select", "gather", "masked_fill", "put",
-    "cumsum", "nn.functional.embedding",
+    "index_add",
+    "index_put",
+    "scatter",
+    "scatter_add",
+    "index_select",
+    "gather",
+    "masked_fill",
+    "put",
+    "cumsum",
+    "nn.functional.embedding",
     # a tensor's shape only, masks
-    "tril", "triu", "where", "nn.functional.pad.constant",
+    "tril",
+    "triu",
+    "where",
+    "nn.functional.pad.constant",
     # matmuls and friends
-    "mm", "bmm", "addmm", "baddbmm", "matmul", "einsum", "nn.functional.linear", "nn.functional.conv2d",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "matmul",
+    "einsum",
+    "nn.functional.linear",
+    "nn.functional.conv2d",
     "nn.functional.scaled_dot_product_attention",
     # pointwise and reductions the partitioner replays or saves
-    "sigmoid", "nn.functional.gelu", "softmax", "log_softmax", "logsumexp", "norm", "amax", "prod",
-    "nn.functional.batch_norm", "nn.functional.cross_entropy",
+    "sigmoid",
+    "nn.functional.gelu",
+    "softmax",
+    "log_softmax",
+    "logsumexp",
+    "norm",
+    "amax",
+    "prod",
+    "nn.functional.batch_norm",
+    "nn.functional.cross_entropy",
     # random
-    "nn.functional.dropout", "bernoulli",
+    "nn.functional.dropout",
+    "bernoulli",
 )
 
 
@@ -79,8 +117,12 @@ def _function(case: _Case):
 
 def _execute(case: _Case, policy):
     """test_opinfo's run of ``case``, compiled fullgraph; ``policy`` None: no region."""
-    return _run(case, policy, _function(case),
-                lambda f: torch.compile(f, backend=BACKEND, fullgraph=True, dynamic=False))
+    return _run(
+        case,
+        policy,
+        _function(case),
+        lambda f: torch.compile(f, backend=BACKEND, fullgraph=True, dynamic=False),
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -102,7 +144,9 @@ def test_opinfo_op_compiled_in_a_region_matches_the_op_compiled_without_one(name
                 try:
                     got = _execute(case, policy)
                 except Exception as e:
-                    problems.append(f"{variant}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    problems.append(
+                        f"{variant}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    )
                     continue
                 for what, a, b in zip(("outputs", "gradients", "final arguments"), expected, got):
                     if len(a) != len(b) or not all(_same(x, y, bitwise=False) for x, y in zip(a, b)):

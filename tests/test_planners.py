@@ -8,15 +8,16 @@ import networkx as nx
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
 from tracedac import CheckpointError, checkpoint, planners, policies
-from tracedac.region import current_region
 from tracedac.inspect import record
 from tracedac.plan_cache import plans
 from tracedac.planners import closure, costs, knapsack, min_cut_keep
+from tracedac.region import current_region
 from tracedac.tradeoff import _Region
 
 from . import test_properties as programs_
@@ -46,8 +47,11 @@ def _brute_force(weights, values, capacity):
 
 
 @settings(max_examples=300, deadline=None)
-@given(items=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 30), st.integers(0, 1000)), max_size=9),
-       unit=st.sampled_from([1, 4, 512, 2048]), capacity=st.integers(0, 400))
+@given(
+    items=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 30), st.integers(0, 1000)), max_size=9),
+    unit=st.sampled_from([1, 4, 512, 2048]),
+    capacity=st.integers(0, 400),
+)
 def test_knapsack_is_optimal_and_within_capacity(items, unit, capacity):
     """Values are compared in order: FLOPs first, then bytes moved (here two components)."""
     weights = [w * unit for w, _, _ in items]
@@ -56,14 +60,18 @@ def test_knapsack_is_optimal_and_within_capacity(items, unit, capacity):
     chosen, q = knapsack(weights, values, capacity)
     w = sum(weights[i] for i in chosen)
     assert w <= capacity
-    assert (_total(values, chosen), w) == _brute_force(weights, values, capacity), "best value, then fewest bytes"
+    assert (_total(values, chosen), w) == _brute_force(weights, values, capacity), (
+        "best value, then fewest bytes"
+    )
     if items and capacity > 0:
         assert q % unit == 0, "bytes counted in units of the weights' common divisor: exact"
 
 
 @settings(max_examples=150, deadline=None)
-@given(items=st.lists(st.tuples(st.integers(1, 10_000), st.integers(0, 1000)), min_size=1, max_size=8),
-       capacity=st.integers(0, 40_000))
+@given(
+    items=st.lists(st.tuples(st.integers(1, 10_000), st.integers(0, 1000)), min_size=1, max_size=8),
+    capacity=st.integers(0, 40_000),
+)
 def test_coarse_knapsack_never_exceeds_the_budget_and_loses_at_most_its_rounding(items, capacity):
     """With a table too small for exact bytes, weights round up and the capacity down: the
     budget still holds, and the answer is at least as good as the best subset fitting in
@@ -85,15 +93,17 @@ def _recorded(program, seed, labels=frozenset()):
     torch.manual_seed(seed)
     x = torch.randn(programs_.SHAPE, requires_grad=True)
     w = (torch.randn(6, 6) / 3).requires_grad_()
-    regions, out = record(programs_.run, (program, x, w, programs_.make_state(seed), labels), {},
-                          policies.memory_budget(1.0))
+    regions, out = record(
+        programs_.run, (program, x, w, programs_.make_state(seed), labels), {}, policies.memory_budget(1.0)
+    )
     del out
     (region,) = regions
     return _Region(region)
 
 
 small_programs = st.lists(
-    st.tuples(st.integers(0, len(programs_.TABLE) - 1), st.integers(0, 50), st.integers(0, 50)), min_size=1,
+    st.tuples(st.integers(0, len(programs_.TABLE) - 1), st.integers(0, 50), st.integers(0, 50)),
+    min_size=1,
     max_size=8,
 )
 
@@ -117,8 +127,12 @@ def test_memory_budget_picks_the_cheapest_replay_of_all_subsets_within_budget(pr
     def nbytes(subset):
         return sum(groups[g].nbytes for i in subset for g in bundles[i])
 
-    best = min(model(set(s)) for r in range(len(bundles) + 1) for s in itertools.combinations(range(len(bundles)), r)
-               if nbytes(s) <= limit)
+    best = min(
+        model(set(s))
+        for r in range(len(bundles) + 1)
+        for s in itertools.combinations(range(len(bundles)), r)
+        if nbytes(s) <= limit
+    )
     chosen = {i for i, b in enumerate(bundles) if set(b) <= kept}
     assert {g for i in chosen for g in bundles[i]} == set(kept), "bundles are kept whole"
     assert model(chosen) == best
@@ -150,8 +164,12 @@ def test_min_cut_is_the_max_flow_and_the_least_bytes_that_let_backward_replay(pr
     assert _feasible(p, keep, replay_matmuls), "everything backward needs replays from what is kept"
     candidates = [g.id for g in groups if g.creator is not None]
     if len(candidates) <= 12:
-        least = min(sum(groups[g].nbytes for g in s) for r in range(len(candidates) + 1)
-                    for s in itertools.combinations(candidates, r) if _feasible(p, s, replay_matmuls))
+        least = min(
+            sum(groups[g].nbytes for g in s)
+            for r in range(len(candidates) + 1)
+            for s in itertools.combinations(candidates, r)
+            if _feasible(p, s, replay_matmuls)
+        )
         assert kept_bytes == least
 
 
@@ -197,10 +215,18 @@ class Block(torch.nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-@pytest.mark.parametrize("policy", [policies.memory_budget(0.0), policies.memory_budget(0.35),
-                                    policies.memory_budget(1.0), policies.memory_budget(4096),
-                                    policies.min_cut(), policies.memory_budget(0.5, cost="time"),
-                                    policies.memory_budget(0.5, cost=lambda node: 1)])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        policies.memory_budget(0.0),
+        policies.memory_budget(0.35),
+        policies.memory_budget(1.0),
+        policies.memory_budget(4096),
+        policies.min_cut(),
+        policies.memory_budget(0.5, cost="time"),
+        policies.memory_budget(0.5, cost=lambda node: 1),
+    ],
+)
 def test_planned_blocks_give_eager_gradients(policy):
     torch.manual_seed(0)
     block = Block()
@@ -228,19 +254,27 @@ def test_either_binds_the_planner_with_must_decisions():
         return (a.exp() * a.cos()).sum()
 
     x = torch.randn(1024, requires_grad=True)
-    report = tracedac.saved_report(f, x, policy=policies.either(policies.save_names("a"), policies.memory_budget(0.34)))
+    report = tracedac.saved_report(
+        f, x, policy=policies.either(policies.save_names("a"), policies.memory_budget(0.34))
+    )
     kept = [r for r in report.rows if r.kind == "activation"]
-    assert [(r.label, r.why) for r in kept] == [("a", "either(save_names('a'), memory_budget(0.34)) -> MUST_SAVE")]
+    assert [(r.label, r.why) for r in kept] == [
+        ("a", "either(save_names('a'), memory_budget(0.34)) -> MUST_SAVE")
+    ]
 
     def no_exp(node):
-        return CheckpointPolicy.MUST_RECOMPUTE if node.op is aten.exp.default else CheckpointPolicy.PREFER_SAVE
+        return (
+            CheckpointPolicy.MUST_RECOMPUTE if node.op is aten.exp.default else CheckpointPolicy.PREFER_SAVE
+        )
 
     report = tracedac.saved_report(f, x, policy=policies.either(no_exp, policies.memory_budget(1.0)))
     assert "aten.exp.default" not in {r.op for r in report.rows}, "MUST_RECOMPUTE binds even a full budget"
     assert_same_grads(f, (x,), policy=policies.either(no_exp, policies.memory_budget(1.0)))
 
     with pytest.raises(CheckpointError, match=r"must keep 4.00 KiB .*more than memory_budget\(1024\) allows"):
-        tracedac.saved_report(f, x, policy=policies.either(policies.save_names("a"), policies.memory_budget(1024)))
+        tracedac.saved_report(
+            f, x, policy=policies.either(policies.save_names("a"), policies.memory_budget(1024))
+        )
     with pytest.raises(ValueError, match="planned by one"):
         policies.either(policies.min_cut(), policies.memory_budget(0.5))
 
@@ -343,20 +377,28 @@ def test_trade_off_is_a_frontier_that_saved_report_confirms():
     frontier = tracedac.trade_off(block, x)
     assert frontier[0].bytes_kept == 0 and frontier[-1].replay_flops == 0
     for a, b in zip(frontier, frontier[1:]):
-        assert a.bytes_kept < b.bytes_kept and (a.replay_flops, a.ops_replayed) != (b.replay_flops, b.ops_replayed)
+        assert a.bytes_kept < b.bytes_kept and (a.replay_flops, a.ops_replayed) != (
+            b.replay_flops,
+            b.ops_replayed,
+        )
         assert b.replay_flops <= a.replay_flops
     rows = tracedac.trade_off(block, x, budgets=[0.0, 0.3, 0.7, 1.0])
     assert [r.budget for r in rows] == [0.0, 0.3, 0.7, 1.0]
     for r in rows:
         report = tracedac.saved_report(block, x, policy=policies.memory_budget(r.budget))
-        assert (report.kept_bytes, report.replay_flops, report.replay_ops) == (r.bytes_kept, r.replay_flops,
-                                                                             r.ops_replayed)
+        assert (report.kept_bytes, report.replay_flops, report.replay_ops) == (
+            r.bytes_kept,
+            r.replay_flops,
+            r.ops_replayed,
+        )
         assert r.bytes_kept <= r.budget * rows.full
     refs = {r.policy: r for r in rows.references}
     assert set(refs) == {"recompute_all()", "save_matmuls()", "save_all()"}
     matmuls = tracedac.saved_report(block, x, policy=policies.save_matmuls())
-    assert (refs["save_matmuls()"].bytes_kept, refs["save_matmuls()"].replay_flops) == (matmuls.kept_bytes,
-                                                                                      matmuls.replay_flops)
+    assert (refs["save_matmuls()"].bytes_kept, refs["save_matmuls()"].replay_flops) == (
+        matmuls.kept_bytes,
+        matmuls.replay_flops,
+    )
     assert "memory_budget(0.3)" in str(rows) and "save_all()" in str(rows)
 
 
@@ -379,8 +421,12 @@ def test_closure_walks_as_the_replay_plan_does_generator_state_included():
     def f(x, y):
         return F.dropout(x.sin(), 0.5).cos() + F.dropout(y.exp(), 0.5).cos()
 
-    regions, _ = record(f, (torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)), {},
-                        policies.recompute_all())
+    regions, _ = record(
+        f,
+        (torch.randn(8, requires_grad=True), torch.randn(8, requires_grad=True)),
+        {},
+        policies.recompute_all(),
+    )
     p = _Region(regions[0])
     draws = [n.index for n in p.graph.nodes if n.rng is not None]
     assert len(draws) == 2 and p.graph.nodes[draws[1]].rng[1] is None  # the second follows the first

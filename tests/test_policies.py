@@ -22,7 +22,9 @@ def test_policies_are_values_that_compare_hash_and_print_as_their_call():
     assert len({policies.save_matmuls(), policies.save_matmuls(), policies.recompute_all()}) == 2
     assert repr(policies.save_matmuls()) == "save_matmuls()"
     assert repr(policies.save_ops(aten.mm.default)) == "save_ops(aten.mm.default)"
-    combined = policies.either(policies.save_matmuls(), policies.either(policies.save_names("x"), policies.save_all()))
+    combined = policies.either(
+        policies.save_matmuls(), policies.either(policies.save_names("x"), policies.save_all())
+    )
     assert repr(combined) == "either(save_matmuls(), save_names('x'), save_all())"
     with pytest.raises(AttributeError):
         combined.policies = ()  # frozen
@@ -54,8 +56,11 @@ def test_save_ops_matches_a_packet_or_a_single_overload():
         return (x @ w).relu().sum()
 
     x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
-    for policy, replayed_mm in [(policies.save_ops(aten.mm), 0), (policies.save_ops(aten.mm.default), 0),
-                                (policies.save_ops(aten.mm.out), 1)]:
+    for policy, replayed_mm in [
+        (policies.save_ops(aten.mm), 0),
+        (policies.save_ops(aten.mm.default), 0),
+        (policies.save_ops(aten.mm.out), 1),
+    ]:
         out = checkpoint(f, policy=policy)(x, w)
         with OpCounter() as ops:
             torch.autograd.grad(out, (x, w))
@@ -77,9 +82,16 @@ def test_save_names_keeps_what_name_labelled():
 
 
 def test_either_keeps_what_any_keeps_and_must_beats_prefer():
-    node = type("N", (), {"op": aten.mm.default, "labels": frozenset({"x"}), "name": "aten.mm.default", "index": 0})()
-    assert policies.either(policies.recompute_all(), policies.save_all())(node) == CheckpointPolicy.PREFER_SAVE
-    assert policies.either(policies.save_all(), lambda n: CheckpointPolicy.MUST_RECOMPUTE)(node) == CheckpointPolicy.MUST_RECOMPUTE
+    node = type(
+        "N", (), {"op": aten.mm.default, "labels": frozenset({"x"}), "name": "aten.mm.default", "index": 0}
+    )()
+    assert (
+        policies.either(policies.recompute_all(), policies.save_all())(node) == CheckpointPolicy.PREFER_SAVE
+    )
+    assert (
+        policies.either(policies.save_all(), lambda n: CheckpointPolicy.MUST_RECOMPUTE)(node)
+        == CheckpointPolicy.MUST_RECOMPUTE
+    )
     assert policies.either(policies.save_names("x"), policies.save_all())(node) == CheckpointPolicy.MUST_SAVE
     with pytest.raises(CheckpointError, match="disagree on aten.mm.default.*MUST_SAVE.*MUST_RECOMPUTE"):
         policies.either(policies.save_matmuls(), lambda n: CheckpointPolicy.MUST_RECOMPUTE)(node)
@@ -89,8 +101,17 @@ def test_a_user_callable_sees_the_node_view():
     seen = []
 
     def policy(node):
-        seen.append((node.name, tuple(o.shape for o in node.outputs if o is not None), node.nbytes, node.flops,
-                     node.module_path, node.labels, node.is_random))
+        seen.append(
+            (
+                node.name,
+                tuple(o.shape for o in node.outputs if o is not None),
+                node.nbytes,
+                node.flops,
+                node.module_path,
+                node.labels,
+                node.is_random,
+            )
+        )
         return CheckpointPolicy.MUST_SAVE if node.flops > 0 else CheckpointPolicy.PREFER_RECOMPUTE
 
     lin = torch.nn.Linear(8, 16)
@@ -147,6 +168,7 @@ def test_a_policy_made_every_step_is_not_kept_once_nothing_uses_it():
     w = torch.randn(8, 8, requires_grad=True)
     made = []
     for step in range(4):
+
         def fresh(node, step=step):  # a new function object every step
             return policies.PREFER_RECOMPUTE
 

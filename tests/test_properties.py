@@ -4,7 +4,8 @@ import zlib
 
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
@@ -44,7 +45,13 @@ TABLE = [
     ("dropout", 1, lambda a, e: F.dropout(a, 0.3, training=True)),
     ("noise", 1, lambda a, e: a * torch.rand_like(a) + torch.randn(SHAPE) * 0.1),
     # ops that read only a layout (here a transposed one): their argument is not replayed
-    ("like", 1, lambda a, e: a * (torch.full_like(a.t(), 0.5).t() + torch.empty_like(a).fill_(1.0) + a.new_zeros(SHAPE))),
+    (
+        "like",
+        1,
+        lambda a, e: (
+            a * (torch.full_like(a.t(), 0.5).t() + torch.empty_like(a).fill_(1.0) + a.new_zeros(SHAPE))
+        ),
+    ),
     ("mul_", 2, lambda a, b, e: _fresh(a).mul_(b)),
     ("add_view_", 2, lambda a, b, e: _inplace_view(a, b)),
     ("relu_", 1, lambda a, e: _fresh(a).relu_()),
@@ -53,11 +60,23 @@ TABLE = [
     ("counter", 1, lambda a, e: _count(a, e)),
     # ops that write what their schema hides (running statistics), draw random numbers into
     # an argument (rrelu's noise), return undefined optional tensors, or write a buffer
-    ("batch_norm", 1, lambda a, e: F.batch_norm(a, e["running_mean"], e["running_var"], training=True, momentum=0.3)),
+    (
+        "batch_norm",
+        1,
+        lambda a, e: F.batch_norm(a, e["running_mean"], e["running_var"], training=True, momentum=0.3),
+    ),
     ("rrelu", 1, lambda a, e: F.rrelu(a, training=True)),
     ("gru_cell", 2, lambda a, b, e: e["cell"](a, b.tanh())),
-    ("embedding_max_norm", 1, lambda a, e: a * F.embedding(torch.tensor([3, 0, 4, 0]), e["table"], max_norm=1.0)),
-    ("index_put_acc", 2, lambda a, b, e: _fresh(a).index_put_((torch.tensor([0, 2, 0]),), b[:3], accumulate=True)),
+    (
+        "embedding_max_norm",
+        1,
+        lambda a, e: a * F.embedding(torch.tensor([3, 0, 4, 0]), e["table"], max_norm=1.0),
+    ),
+    (
+        "index_put_acc",
+        2,
+        lambda a, b, e: _fresh(a).index_put_((torch.tensor([0, 2, 0]),), b[:3], accumulate=True),
+    ),
     ("pre_hook", 1, lambda a, e: e["hooked"](a)),
 ]
 
@@ -82,8 +101,13 @@ def make_state(seed):
     """Everything outside the region that the table's ops read or write, made afresh per run."""
     torch.manual_seed(seed + 2)
     return {
-        "buffer": torch.zeros(6), "calls": [], "running_mean": torch.zeros(6), "running_var": torch.ones(6),
-        "cell": torch.nn.GRUCell(6, 6), "table": torch.randn(5, 6) * 2, "hooked": _Hooked(),
+        "buffer": torch.zeros(6),
+        "calls": [],
+        "running_mean": torch.zeros(6),
+        "running_var": torch.ones(6),
+        "cell": torch.nn.GRUCell(6, 6),
+        "table": torch.randn(5, 6) * 2,
+        "hooked": _Hooked(),
     }
 
 
@@ -141,7 +165,9 @@ def random_policy(draw_policy, seed):
     if draw_policy == 7:
         return policies.min_cut(replay_matmuls=seed % 2 == 0)
     if draw_policy == 8:
-        return policies.either(policies.save_names("t1", "t3"), policies.memory_budget(seed % 4096 + 1024))  # room for t1 and t3
+        return policies.either(
+            policies.save_names("t1", "t3"), policies.memory_budget(seed % 4096 + 1024)
+        )  # room for t1 and t3
 
     def coin(node):  # a user callable: a coin per op and position, the same in every process
         flip = zlib.crc32(f"{seed} {node.index} {node.name}".encode()) % 3 == 0
@@ -156,7 +182,9 @@ programs = st.lists(
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(program=programs, which=st.integers(0, 8), seed=st.integers(0, 2**16), labels=st.sets(st.integers(0, 11)))
+@given(
+    program=programs, which=st.integers(0, 8), seed=st.integers(0, 2**16), labels=st.sets(st.integers(0, 11))
+)
 def test_random_programs_under_random_policies_match_eager_and_run_python_once(program, which, seed, labels):
     torch.manual_seed(seed)
     x = torch.randn(SHAPE, requires_grad=True)

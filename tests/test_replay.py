@@ -103,7 +103,11 @@ def test_kept_matmuls_are_not_replayed_and_ops_after_them_read_the_kept_value():
     def f(x, w1, w2):
         return (F.gelu(x @ w1) @ w2).tanh().sum()
 
-    args = (torch.randn(8, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True), torch.randn(16, 8, requires_grad=True))
+    args = (
+        torch.randn(8, 8, requires_grad=True),
+        torch.randn(8, 16, requires_grad=True),
+        torch.randn(16, 8, requires_grad=True),
+    )
     counts, graph = replayed(f, *args, policy=policies.save_matmuls())
     assert counts[aten.mm] == 4, "backward's own matmuls only"
     assert counts[aten.gelu] == 1 and counts[aten.tanh] == 1  # tanh replays from the kept matmul
@@ -246,5 +250,7 @@ def test_a_kept_result_the_program_modifies_after_forward_is_never_used_stale():
     h, loss = checkpoint(f, policy=policies.save_matmuls())(x, w)
     with torch.no_grad():
         h.mul_(3)
-    with pytest.raises(CheckpointError, match="aten.mm.default.*kept for backward, was modified in place after the forward"):
+    with pytest.raises(
+        CheckpointError, match="aten.mm.default.*kept for backward, was modified in place after the forward"
+    ):
         loss.backward()

@@ -108,9 +108,15 @@ def _record(calls):
     def policy_fn(ctx, op, *args, **kwargs):
         copy_ = lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a  # noqa: E731
         out = ctx.op_output
-        calls.append((op, ctx.is_recompute, [copy_(a) for a in args],
-                      {k: copy_(v) for k, v in kwargs.items()},
-                      copy_(out) if isinstance(out, torch.Tensor) else None))
+        calls.append(
+            (
+                op,
+                ctx.is_recompute,
+                [copy_(a) for a in args],
+                {k: copy_(v) for k, v in kwargs.items()},
+                copy_(out) if isinstance(out, torch.Tensor) else None,
+            )
+        )
         keep = op.overloadpacket in policies.MATMUL_OPS
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -119,8 +125,9 @@ def _record(calls):
 
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.device == b.device and a.shape == b.shape
-                and torch.equal(a, b))
+        return (
+            isinstance(b, torch.Tensor) and a.device == b.device and a.shape == b.shape and torch.equal(a, b)
+        )
     return a == b
 
 
@@ -133,10 +140,12 @@ def test_the_policy_function_is_asked_about_each_op_that_allocates_with_torchs_a
     x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
     torch_calls, our_calls = [], []
     sac = create_selective_checkpoint_contexts
-    out_t = torch_checkpoint(block, x, use_reentrant=False,
-                             context_fn=functools.partial(sac, _record(torch_calls)))
-    out = checkpoint_call(block, x, use_reentrant=False,
-                          context_fn=functools.partial(sac, _record(our_calls)))
+    out_t = torch_checkpoint(
+        block, x, use_reentrant=False, context_fn=functools.partial(sac, _record(torch_calls))
+    )
+    out = checkpoint_call(
+        block, x, use_reentrant=False, context_fn=functools.partial(sac, _record(our_calls))
+    )
     asked_by_torch = [c for c in torch_calls if not c[0].is_view]
     assert [c[0] for c in our_calls] == [c[0] for c in asked_by_torch]
     assert len(our_calls) >= 8
@@ -154,8 +163,10 @@ def test_the_policy_function_is_asked_about_each_op_that_allocates_with_torchs_a
 def test_a_policy_function_that_counts_its_calls_decides_as_in_torch():
     """torchtitan's policy saves every other matmul by counting the mms it is asked about:
     tracedac asks about each op once, in order, so the same mms are kept and recomputed."""
-    ws = [torch.randn(12, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) / 3
-          for i in range(4)]
+    ws = [
+        torch.randn(12, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) / 3
+        for i in range(4)
+    ]
 
     def chain(x, *ws):
         for w in ws:
@@ -179,9 +190,15 @@ def test_a_policy_function_that_counts_its_calls_decides_as_in_torch():
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
     assert got[2][aten.mm] == want[2][aten.mm]
     assert got[3] == want[3]
-    recomputed_flops = got[3] - _backward_counts(checkpoint_call, chain, args,
-                                                 functools.partial(create_selective_checkpoint_contexts,
-                                                                   [aten.mm.default]))[3]
+    recomputed_flops = (
+        got[3]
+        - _backward_counts(
+            checkpoint_call,
+            chain,
+            args,
+            functools.partial(create_selective_checkpoint_contexts, [aten.mm.default]),
+        )[3]
+    )
     assert recomputed_flops == 2 * 2 * 5 * 12 * 12  # two of the four mms ran again
 
 
@@ -208,28 +225,35 @@ def test_the_converted_policy_is_a_frozen_value_that_prints_as_its_call():
 def test_a_bool_answer_is_read_as_torch_reads_it():
     """torch still accepts True/False from a policy function (True: save)."""
     x, y = _xy()
-    context_fn = functools.partial(create_selective_checkpoint_contexts,
-                                   lambda ctx, op, *a, **k: op == aten.mm.default)
+    context_fn = functools.partial(
+        create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: op == aten.mm.default
+    )
     want = _backward_counts(torch_checkpoint, torchs_example, (x, y), context_fn)
     got = _backward_counts(checkpoint_call, torchs_example, (x, y), context_fn)
     assert got[2][aten.mm] == want[2][aten.mm] and got[3] == want[3]
 
 
-@pytest.mark.parametrize("offload", [CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD],
-                         ids=["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"])
+@pytest.mark.parametrize(
+    "offload",
+    [CheckpointPolicy.MUST_CPU_OFFLOAD, CheckpointPolicy.PREFER_CPU_OFFLOAD],
+    ids=["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"],
+)
 def test_asking_to_offload_offloads_and_gives_torchs_gradients(offload):
     """An offload decision is carried out (tracedac.offload), not refused nor silently kept:
     the matmuls' results leave the region's handles for host copies, nothing is replayed, and
     the gradients are bitwise torch's."""
     x, y = _xy()
-    context_fn = functools.partial(create_selective_checkpoint_contexts,
-                                   lambda ctx, op, *a, **k: offload if op == aten.mm.default else
-                                   CheckpointPolicy.PREFER_RECOMPUTE)
+    context_fn = functools.partial(
+        create_selective_checkpoint_contexts,
+        lambda ctx, op, *a, **k: offload if op == aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE,
+    )
     want = _backward_counts(torch_checkpoint, torchs_example, (x, y), context_fn)
     got = _backward_counts(checkpoint_call, torchs_example, (x, y), context_fn)
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
     assert got[2][aten.mm] == 4, "backward's own matmuls only: none replayed"
-    report = tracedac.saved_report(lambda x, y: checkpoint_call(torchs_example, x, y, context_fn=context_fn), x, y)
+    report = tracedac.saved_report(
+        lambda x, y: checkpoint_call(torchs_example, x, y, context_fn=context_fn), x, y
+    )
     assert [r.op for r in report.rows if r.kind == "offloaded"] == ["aten.mm.default"] * 2
     assert report.kept_bytes == 0 and report.offloaded_bytes == 2 * 10 * 10 * 8
 
@@ -254,8 +278,13 @@ def test_a_policy_and_a_context_fn_together_are_refused():
     """Both say what to keep; picking one silently would ignore the other."""
     x, y = _xy()
     with pytest.raises(CheckpointError, match="Pass one of them"):
-        checkpoint_call(torchs_example, x, y, policy=policies.save_matmuls(),
-                        context_fn=functools.partial(create_selective_checkpoint_contexts, save_mm))
+        checkpoint_call(
+            torchs_example,
+            x,
+            y,
+            policy=policies.save_matmuls(),
+            context_fn=functools.partial(create_selective_checkpoint_contexts, save_mm),
+        )
     # torch's default context_fn asks for nothing: no conflict
     checkpoint_call(torchs_example, x, y, policy=policies.save_matmuls(), context_fn=noop_context_fn)
 
@@ -275,13 +304,27 @@ def test_torchs_checkpoint_wrapper_with_tracedac_as_checkpoint_fn_takes_a_contex
         return torch.autograd.grad(model(x).square().sum(), (x, *model.parameters()))
 
     with OpCounter() as torch_ops:
-        want = grads(nn.Sequential(*[checkpoint_wrapper(copy.deepcopy(b), context_fn=context_fn)
-                                     for b in base]))
+        want = grads(
+            nn.Sequential(*[checkpoint_wrapper(copy.deepcopy(b), context_fn=context_fn) for b in base])
+        )
     variants = [
-        nn.Sequential(*[checkpoint_wrapper(copy.deepcopy(b), checkpoint_fn=checkpoint_call,
-                                           context_fn=context_fn) for b in base]),
-        nn.Sequential(*[checkpoint_wrapper(copy.deepcopy(b), checkpoint_fn=functools.partial(
-            checkpoint_call, use_reentrant=False, context_fn=context_fn)) for b in base]),
+        nn.Sequential(
+            *[
+                checkpoint_wrapper(copy.deepcopy(b), checkpoint_fn=checkpoint_call, context_fn=context_fn)
+                for b in base
+            ]
+        ),
+        nn.Sequential(
+            *[
+                checkpoint_wrapper(
+                    copy.deepcopy(b),
+                    checkpoint_fn=functools.partial(
+                        checkpoint_call, use_reentrant=False, context_fn=context_fn
+                    ),
+                )
+                for b in base
+            ]
+        ),
     ]
     for model in variants:
         with OpCounter() as ops:
@@ -297,13 +340,15 @@ def test_a_context_fn_works_inside_torch_compile():
     w = torch.randn(16, 16, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
     for context_fn in CONTEXT_FNS.values():
+
         def f(x, run):
             return run(lambda y: (y @ w).tanh() @ w, x, use_reentrant=False, context_fn=context_fn)
 
         want = torch.autograd.grad(f(x, torch_checkpoint).sum(), (x, w))
         torch._dynamo.reset()
-        compiled = torch.compile(functools.partial(f, run=checkpoint_call), backend="aot_eager",
-                                 fullgraph=True)
+        compiled = torch.compile(
+            functools.partial(f, run=checkpoint_call), backend="aot_eager", fullgraph=True
+        )
         got = torch.autograd.grad(compiled(x).sum(), (x, w))
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

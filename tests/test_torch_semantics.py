@@ -168,7 +168,9 @@ def test_a_custom_backward_under_enable_grad_may_differentiate_through_the_unpac
         def backward(ctx, grad):
             with torch.enable_grad():
                 a, x = ctx.saved_tensors  # a: computed in the region, with its grad_fn
-                (dx,) = torch.autograd.grad((a.cos() * grad).sum(), x, retain_graph=True)  # through a's history
+                (dx,) = torch.autograd.grad(
+                    (a.cos() * grad).sum(), x, retain_graph=True
+                )  # through a's history
             return grad * a.detach().cos(), dx
 
     def f(x):
@@ -246,7 +248,9 @@ def _grad_inside(op, create_graph):
 @pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 @pytest.mark.parametrize("create_graph", [True, False], ids=["create_graph", "no_create_graph"])
 @pytest.mark.parametrize("op", [*SAVES_ITS_OUTPUT.values(), lambda x: x * x], ids=[*SAVES_ITS_OUTPUT, "x*x"])
-def test_autograd_grad_inside_a_region_through_an_op_that_saves_its_output_matches_eager(op, create_graph, policy):
+def test_autograd_grad_inside_a_region_through_an_op_that_saves_its_output_matches_eager(
+    op, create_graph, policy
+):
     """The inner ``autograd.grad`` unpacks what the region saved while it still records. A
     result it did not keep (exp's, sigmoid's, tanh's: they save their output) had to be
     replayed from the region's input, and replay took that input for modified ("version 0,
@@ -400,8 +404,9 @@ class _SizesSubclass(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem):
-        return torch.Tensor._make_wrapper_subclass(cls, elem.size(), dtype=elem.dtype,
-                                                   dispatch_sizes_strides_policy="sizes")
+        return torch.Tensor._make_wrapper_subclass(
+            cls, elem.size(), dtype=elem.dtype, dispatch_sizes_strides_policy="sizes"
+        )
 
     def __init__(self, elem):
         self.elem = elem

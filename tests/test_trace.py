@@ -90,8 +90,12 @@ def test_an_outside_tensor_written_in_the_region_is_copied_first_only_if_replay_
     g = next(g for g in graph.groups if g.mutations)
     assert g.snapshot is not None and torch.equal(torch.empty(0).set_(g.snapshot), torch.zeros(4))
 
-    graph, _ = record(lambda x, buf: (buf.add_(1), x.sin().sum())[1], torch.randn(4, requires_grad=True), torch.zeros(4))
-    assert all(g.snapshot is None for g in graph.groups), "nothing replays from it: dropped at the region's end"
+    graph, _ = record(
+        lambda x, buf: (buf.add_(1), x.sin().sum())[1], torch.randn(4, requires_grad=True), torch.zeros(4)
+    )
+    assert all(g.snapshot is None for g in graph.groups), (
+        "nothing replays from it: dropped at the region's end"
+    )
 
 
 def test_random_ops_record_their_generator_state_and_others_do_not():
@@ -120,6 +124,7 @@ def test_a_random_op_right_after_a_replayed_one_keeps_no_generator_state_of_its_
     assert states[0] is not None and states[1] is None and states[2] is not None
     x = torch.randn(8, requires_grad=True)
     from .util import assert_same_grads
+
     assert_same_grads(f, (x,))
 
 
@@ -165,7 +170,11 @@ def test_the_policy_is_asked_about_nodes_that_allocate_or_write_and_its_answer_i
 
     graph, _ = record(f, torch.randn(4, requires_grad=True), policy=policy)
     assert asked == [aten.exp, aten.mul_, aten.sum], "views are never asked: they cost nothing to rebuild"
-    assert all(n.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE for n in graph.nodes if n.creates or n.writes)
+    assert all(
+        n.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE
+        for n in graph.nodes
+        if n.creates or n.writes
+    )
 
 
 def test_name_labels_the_op_that_produced_the_value_and_can_flip_its_decision():

@@ -22,11 +22,13 @@ NOTEBOOKS = ROOT / "notebooks"
 
 def run(path: pathlib.Path) -> float:
     nb = nbformat.read(path, as_version=4)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    start = time.perf_counter()
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute(
-        env=env
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     )
+    start = time.perf_counter()
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    ).execute(env=env)
     nbformat.write(nb, path)
     return time.perf_counter() - start
 

@@ -157,9 +157,12 @@ def main(argv=None) -> int:
     p.add_argument("-k", dest="filter", default="", help="only tests whose id contains this text")
     p.add_argument("--no-slow", action="store_true", help="skip the tests torch marks @slowTest")
     p.add_argument("-v", "--verbose", action="store_true", help="print each failure's traceback")
-    p.add_argument("--reentrant-as-non-reentrant", action="store_true",
-                   help="run use_reentrant=True calls as use_reentrant=False (what tracedac does with the "
-                        "tests written for reentrant checkpointing; their reentrant-only checks then fail)")
+    p.add_argument(
+        "--reentrant-as-non-reentrant",
+        action="store_true",
+        help="run use_reentrant=True calls as use_reentrant=False (what tracedac does with the "
+        "tests written for reentrant checkpointing; their reentrant-only checks then fail)",
+    )
     args = p.parse_args(argv)
 
     if not args.no_slow:
@@ -178,6 +181,7 @@ def main(argv=None) -> int:
 
         run = tracedac.checkpoint_call
         if args.reentrant_as_non_reentrant:
+
             def run(function, *a, use_reentrant=None, **kw):
                 return tracedac.checkpoint_call(function, *a, use_reentrant=False, **kw)
 
@@ -201,8 +205,10 @@ def main(argv=None) -> int:
                 print(f"{outcome:5} {test_id} ({took:.1f} s){': ' + why if why else ''}", flush=True)
                 if args.verbose and outcome in ("FAIL", "ERROR"):
                     print(detail)
-    print(f"# {counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} errors, "
-          f"{counts['SKIP']} skipped")
+    print(
+        f"# {counts['PASS']} passed, {counts['FAIL']} failed, {counts['ERROR']} errors, "
+        f"{counts['SKIP']} skipped"
+    )
     return 0 if counts["FAIL"] + counts["ERROR"] == 0 else 1
 
 

@@ -4,10 +4,10 @@ See README.md for a tour. Everything public is re-exported here; nothing runs at
 """
 
 from . import policies
-from .replay_compiled import compiled_replay
 from .checkpoint import checkpoint, checkpoint_call, is_checkpointed, name, unwrap, wrap
 from .errors import CheckpointError
 from .inspect import print_saved, saved_report
+from .replay_compiled import compiled_replay
 from .tradeoff import trade_off
 
 __all__ = [

@@ -13,8 +13,14 @@ import sys
 import torch
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 
-__all__ = ["class_forward", "graph_input_sources", "is_exporting", "op_effect", "optimization_hint",
-           "trace_time_error"]
+__all__ = [
+    "class_forward",
+    "graph_input_sources",
+    "is_exporting",
+    "op_effect",
+    "optimization_hint",
+    "trace_time_error",
+]
 
 # (torch major, minor): zero/unit.py's compiles_zero reads it
 _VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
@@ -121,9 +127,17 @@ def selective_checkpoint_policy(contexts):
     own whose closure holds the list."""
     from torch.utils import checkpoint as tc
 
-    caching, cached = getattr(tc, "_CachingTorchDispatchMode", None), getattr(tc, "_CachedTorchDispatchMode", None)
-    if not (isinstance(contexts, tuple) and len(contexts) == 2 and caching is not None
-            and type(contexts[0]) is caching and type(contexts[1]) is cached):
+    caching, cached = (
+        getattr(tc, "_CachingTorchDispatchMode", None),
+        getattr(tc, "_CachedTorchDispatchMode", None),
+    )
+    if not (
+        isinstance(contexts, tuple)
+        and len(contexts) == 2
+        and caching is not None
+        and type(contexts[0]) is caching
+        and type(contexts[1]) is cached
+    ):
         return None
     policy_fn = contexts[0].policy_fn
     if getattr(policy_fn, "__code__", None) is _sac_list_policy_code():

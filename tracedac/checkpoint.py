@@ -45,8 +45,15 @@ class _ModuleHooks:
         if self.names is None:
             prefix = f"{self.name}." if self.qualified else ""
             self.names = {id(m): (prefix + n) if n else self.name for n, m in module.named_modules()}
-        region = Region(self.policy, self.name, module=module, module_names=self.names, args=args, code=type(module),
-                        prefix=f"{self.name}." if self.qualified else "")
+        region = Region(
+            self.policy,
+            self.name,
+            module=module,
+            module_names=self.names,
+            args=args,
+            code=type(module),
+            prefix=f"{self.name}." if self.qualified else "",
+        )
         region.owner = module
         region.__enter__()
         return None
@@ -73,7 +80,9 @@ def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn
             f"with {existing.policy!r}; checkpointing it again would nest a region in itself. "
             "Wrap each module once (tracedac.wrap skips modules inside a matched one)."
         )
-    hooks = _ModuleHooks(policy, name if name is not None else type(module).__name__, qualified=name is not None)
+    hooks = _ModuleHooks(
+        policy, name if name is not None else type(module).__name__, qualified=name is not None
+    )
     hooks.handles = (
         module.register_forward_pre_hook(hooks.pre, prepend=True),
         module.register_forward_hook(hooks.post, always_call=True),
@@ -122,7 +131,6 @@ def _policy(policy):
     return policy
 
 
-
 def checkpoint(fn=None, /, *, policy=None):
     """Checkpoint a function or module: its forward is recorded, and backward replays it.
 
@@ -165,8 +173,18 @@ class _FunctionRegion:
         self.name = name
 
 
-def checkpoint_call(function, *args, policy=None, use_reentrant=False, preserve_rng_state=True,
-                    determinism_check="default", debug=False, early_stop=True, context_fn=None, **kwargs):
+def checkpoint_call(
+    function,
+    *args,
+    policy=None,
+    use_reentrant=False,
+    preserve_rng_state=True,
+    determinism_check="default",
+    debug=False,
+    early_stop=True,
+    context_fn=None,
+    **kwargs,
+):
     """``torch.utils.checkpoint.checkpoint``'s calling convention, run by tracedac.
 
     For libraries that take a checkpoint function (Hugging Face's
@@ -225,8 +243,9 @@ def wrap(model: nn.Module, match, policy=None) -> nn.Module:
 
     visit("", model)
     if not matched:
-        raise no_match_error(model, f"wrap() matched no module of {type(model).__name__}: nothing would be "
-                                    "checkpointed")
+        raise no_match_error(
+            model, f"wrap() matched no module of {type(model).__name__}: nothing would be checkpointed"
+        )
     return model
 
 

@@ -30,9 +30,24 @@ from ._compat import op_effect
 from .errors import CheckpointError
 
 __all__ = [
-    "COLLECTIVE_NAMESPACES", "EFFECT_REPLAYED", "LOW_DTYPES", "MATMUL_OPS", "MUST_CPU_OFFLOAD",
-    "MUST_RECOMPUTE", "MUST_SAVE", "PREFER_CPU_OFFLOAD", "PREFER_RECOMPUTE", "PREFER_SAVE", "RECOMPUTE_OPS",
-    "cast_dtype", "decision", "effect", "is_offload", "is_save", "recompute_by_default", "resolve",
+    "COLLECTIVE_NAMESPACES",
+    "EFFECT_REPLAYED",
+    "LOW_DTYPES",
+    "MATMUL_OPS",
+    "MUST_CPU_OFFLOAD",
+    "MUST_RECOMPUTE",
+    "MUST_SAVE",
+    "PREFER_CPU_OFFLOAD",
+    "PREFER_RECOMPUTE",
+    "PREFER_SAVE",
+    "RECOMPUTE_OPS",
+    "cast_dtype",
+    "decision",
+    "effect",
+    "is_offload",
+    "is_save",
+    "recompute_by_default",
+    "resolve",
 ]
 
 MUST_SAVE = CheckpointPolicy.MUST_SAVE
@@ -51,7 +66,7 @@ MATMUL_OPS: dict[OpOverloadPacket, str] = {
     aten.addmm: "nn.Linear with a bias lowers to addmm: a matmul",
     aten.bmm: "batched matmul (attention scores, MoE experts): a matmul per batch entry",
     aten.baddbmm: "batched matmul with an added input: as bmm",
-    aten._scaled_dot_product_flash_attention: "attention (CUDA flash): quadratic in sequence length to replay",
+    aten._scaled_dot_product_flash_attention: "attention (CUDA flash): quadratic in sequence length",
     aten._scaled_dot_product_efficient_attention: "attention (memory-efficient kernel): as flash",
     aten._scaled_dot_product_cudnn_attention: "attention (cuDNN kernel): as flash",
     aten._scaled_dot_product_flash_attention_for_cpu: "attention (CPU flash kernel): as flash",
@@ -79,8 +94,9 @@ def recompute_by_default(op: OpOverload, reason: str) -> None:
 # (functional, their autograd variants, and c10d's in-place ones), any other op by the effect
 # it was registered with through ``torch.library``. ``RECOMPUTE_OPS`` wins: an op's owner
 # who asked for replay (tracedac.zero's all-gather) gets it.
-COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional",
-                                   "c10d"})
+COLLECTIVE_NAMESPACES = frozenset(
+    {"_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d"}
+)
 _EFFECTS: dict[int, tuple] = {}  # id(op) -> (op, why or None), found on first sight
 
 
@@ -95,8 +111,10 @@ def _effect_of(op) -> str | None:
 
 
 # What replaying one would do, for messages.
-EFFECT_REPLAYED = ("replaying it would run it again: a collective sends its data again, and every rank would "
-                   "have to replay the same one at the same point of its backward")
+EFFECT_REPLAYED = (
+    "replaying it would run it again: a collective sends its data again, and every rank would "
+    "have to replay the same one at the same point of its backward"
+)
 
 
 def effect(op) -> str | None:

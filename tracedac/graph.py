@@ -20,7 +20,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["Group", "Layout", "Node", "NodeMeta", "RegionGraph", "TensorMeta", "flatten_outputs", "human_bytes", "op_flops"]
+__all__ = [
+    "Group",
+    "Layout",
+    "Node",
+    "NodeMeta",
+    "RegionGraph",
+    "TensorMeta",
+    "flatten_outputs",
+    "human_bytes",
+    "op_flops",
+]
 
 
 class TensorMeta:
@@ -85,8 +95,20 @@ class Node:
     """
 
     __slots__ = (
-        "index", "op", "args", "kwargs", "outputs", "writes", "creates", "rng",
-        "labels", "module_path", "source", "decision", "_flops", "_meta",
+        "index",
+        "op",
+        "args",
+        "kwargs",
+        "outputs",
+        "writes",
+        "creates",
+        "rng",
+        "labels",
+        "module_path",
+        "source",
+        "decision",
+        "_flops",
+        "_meta",
     )
 
     def __init__(self, index, op, args, kwargs, outputs, writes, creates, rng, module_path, source):
@@ -205,8 +227,20 @@ class NodeMeta(MutableMapping):
 class Group:
     """One storage seen in the region, and everything needed to rebuild any state of it."""
 
-    __slots__ = ("id", "nbytes", "device", "creator", "mutations", "external", "snapshot", "outer",
-                 "held", "host", "version", "grows")
+    __slots__ = (
+        "id",
+        "nbytes",
+        "device",
+        "creator",
+        "mutations",
+        "external",
+        "snapshot",
+        "outer",
+        "held",
+        "host",
+        "version",
+        "grows",
+    )
 
     def __init__(self, id: int, nbytes: int, device: torch.device):
         self.id = id
@@ -328,7 +362,7 @@ def walk(graph: RegionGraph, wanted, start_of, visit=None) -> tuple[dict, list, 
             if start[0] == "create":
                 to_run.append(g.creator)
         if highest > start[1]:
-            to_run.extend(g.mutations[start[1]:highest])
+            to_run.extend(g.mutations[start[1] : highest])
     return starts, sorted(chosen), reads
 
 

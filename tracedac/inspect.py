@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .region import Region, reporting, run_region
 from .compile.report import compiled_target
 from .compile.report import report as compiled_report
+from .decisions import PREFER_SAVE, effect
 from .errors import CheckpointError
 from .graph import RegionGraph
-from .decisions import PREFER_SAVE, effect
 from .planners import planner_of
 from .policies import check_policy, describe_policy, recompute_all
+from .region import Region, reporting, run_region
 from .replay_plan import plan
 from .report import SavedReport, SavedRow
 
@@ -46,12 +46,20 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
         if key in seen:
             return
         seen.add(key)
-        rows.append(SavedRow(
-            graph.name, kind, node.name if node is not None else "input", tuple(t.shape), t.dtype,
-            t.untyped_storage().nbytes(), node.source if node is not None else None,
-            node.module_path if node is not None else None,
-            ", ".join(sorted(node.labels)) if node is not None else "", why,
-        ))
+        rows.append(
+            SavedRow(
+                graph.name,
+                kind,
+                node.name if node is not None else "input",
+                tuple(t.shape),
+                t.dtype,
+                t.untyped_storage().nbytes(),
+                node.source if node is not None else None,
+                node.module_path if node is not None else None,
+                ", ".join(sorted(node.labels)) if node is not None else "",
+                why,
+            )
+        )
 
     def offloaded(copy, meta, node, why):
         key = ("host", id(copy))
@@ -59,10 +67,20 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
             return
         seen.add(key)
         shape, dtype = (tuple(meta.size), meta.dtype) if meta is not None else ((copy.nbytes,), torch.uint8)
-        rows.append(SavedRow(
-            graph.name, "offloaded", node.name, shape, dtype, copy.nbytes, node.source,
-            node.module_path, ", ".join(sorted(node.labels)), f"{why}; in host memory until backward",
-        ))
+        rows.append(
+            SavedRow(
+                graph.name,
+                "offloaded",
+                node.name,
+                shape,
+                dtype,
+                copy.nbytes,
+                node.source,
+                node.module_path,
+                ", ".join(sorted(node.labels)),
+                f"{why}; in host memory until backward",
+            )
+        )
 
     replay = [h for h in region.handles if h.tensor is None and h.host is None]
     for h in region.handles:
@@ -89,11 +107,20 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
         if g.snapshot is not None:
             first = g.mutations[0]
             meta = next(m for m in first.tensor_args if m.group == g.id)
-            rows.append(SavedRow(
-                graph.name, "snapshot", first.name, tuple(meta.size), meta.dtype,
-                g.snapshot.nbytes(), first.source, first.module_path, "",
-                "copy of an input taken before this op wrote it: replay reads the old value",
-            ))
+            rows.append(
+                SavedRow(
+                    graph.name,
+                    "snapshot",
+                    first.name,
+                    tuple(meta.size),
+                    meta.dtype,
+                    g.snapshot.nbytes(),
+                    first.source,
+                    first.module_path,
+                    "",
+                    "copy of an input taken before this op wrote it: replay reads the old value",
+                )
+            )
     replayed = {}
     for h in replay:
         g = graph.groups[h.meta.group]
@@ -106,8 +133,9 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
 
 def _holds_regions(fn) -> bool:
     """Whether ``fn`` is a module with tracedac-checkpointed modules inside."""
-    return isinstance(fn, nn.Module) and any(getattr(m, "_tracedac", None) is not None
-                                             for m in fn.modules() if m is not fn)
+    return isinstance(fn, nn.Module) and any(
+        getattr(m, "_tracedac", None) is not None for m in fn.modules() if m is not fn
+    )
 
 
 def record(fn, args, kwargs, policy) -> tuple[list[Region], object]:
@@ -138,9 +166,13 @@ def record(fn, args, kwargs, policy) -> tuple[list[Region], object]:
                 spec.policy = before
         else:
             module = fn if isinstance(fn, nn.Module) else None
-            names = {id(m): n or type(fn).__name__ for n, m in fn.named_modules()} if module is not None else None
+            names = (
+                {id(m): n or type(fn).__name__ for n, m in fn.named_modules()} if module is not None else None
+            )
             name = type(fn).__name__ if module is not None else getattr(fn, "__qualname__", repr(fn))
-            out = run_region(fn, args, kwargs, policy or recompute_all(), name, module=module, module_names=names)
+            out = run_region(
+                fn, args, kwargs, policy or recompute_all(), name, module=module, module_names=names
+            )
     return regions, out
 
 

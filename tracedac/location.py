@@ -78,7 +78,11 @@ def user_source() -> str | None:
     f = sys._getframe(2)
     while f is not None:
         filename = f.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or os.path.dirname(filename) == _OWN_DIR or "contextlib" in filename):
+        if not (
+            filename.startswith(_TORCH_DIR)
+            or os.path.dirname(filename) == _OWN_DIR
+            or "contextlib" in filename
+        ):
             return f"{filename}:{f.f_lineno}"
         f = f.f_back
     return None

@@ -35,11 +35,22 @@ class _OpInfo:
 
 _aten = torch.ops.aten
 # Ops that read their first argument's dtype, shape, strides and device, never its values.
-_LAYOUT_ONLY = frozenset([
-    _aten.empty_like, _aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.rand_like,
-    _aten.randn_like, _aten.randint_like, _aten.new_empty, _aten.new_empty_strided,
-    _aten.new_zeros, _aten.new_ones, _aten.new_full,
-])
+_LAYOUT_ONLY = frozenset(
+    [
+        _aten.empty_like,
+        _aten.zeros_like,
+        _aten.ones_like,
+        _aten.full_like,
+        _aten.rand_like,
+        _aten.randn_like,
+        _aten.randint_like,
+        _aten.new_empty,
+        _aten.new_empty_strided,
+        _aten.new_zeros,
+        _aten.new_ones,
+        _aten.new_full,
+    ]
+)
 _INFO: dict = {}
 
 
@@ -92,7 +103,15 @@ def op_info(func) -> _OpInfo:
     elif torch.Tag.inplace_view in tags:
         info = _OpInfo((), written, seeded, False)
     else:
-        info = _OpInfo(written, (), seeded, view, getattr(func, "overloadpacket", None) in _LAYOUT_ONLY, hidden,
-                       bare, func._op)
+        info = _OpInfo(
+            written,
+            (),
+            seeded,
+            view,
+            getattr(func, "overloadpacket", None) in _LAYOUT_ONLY,
+            hidden,
+            bare,
+            func._op,
+        )
     _INFO[id(func)] = (func, info)  # by id: OpOverload.__hash__ is a Python method; func pins the id
     return info

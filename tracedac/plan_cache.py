@@ -15,11 +15,15 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
-
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .decisions import (
-    MUST_RECOMPUTE, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_RECOMPUTE, PREFER_SAVE, is_offload,
+    MUST_RECOMPUTE,
+    MUST_SAVE,
+    PREFER_CPU_OFFLOAD,
+    PREFER_RECOMPUTE,
+    PREFER_SAVE,
+    is_offload,
 )
 from .graph import Node
 from .planners import Planner, must_decisions, problem, region_values
@@ -29,8 +33,12 @@ __all__ = ["PlanCache", "Planning", "computation", "input_signature", "plan_key"
 
 def signature(node: Node) -> tuple:
     """What a cached plan must agree on for this node: op, outputs and the values it read."""
-    return (node.op, tuple(None if o is None else (o.size, o.dtype) for o in node.outputs),
-            tuple((m.group, m.state) for m in node.tensor_args), node.writes)
+    return (
+        node.op,
+        tuple(None if o is None else (o.size, o.dtype) for o in node.outputs),
+        tuple((m.group, m.state) for m in node.tensor_args),
+        node.writes,
+    )
 
 
 class PlanCache:
@@ -66,8 +74,11 @@ def input_signature(args, kwargs) -> tuple:
             return tuple(one(x) for x in a)
         return type(a)
 
-    return (tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted((kwargs or {}).items())),
-            torch.is_autocast_enabled())
+    return (
+        tuple(one(a) for a in args),
+        tuple((k, one(v)) for k, v in sorted((kwargs or {}).items())),
+        torch.is_autocast_enabled(),
+    )
 
 
 class Planning:
@@ -133,7 +144,12 @@ class Planning:
         kept_slots = [s for s in kept_slots if s.host is None]  # offloaded: not the planner's
         context = (frozenset(wanted), tuple(must_decisions(graph).items()))
         cached = self.cached
-        if cached is not None and not self.undecided and len(cached[0]) == len(graph.nodes) and cached[2] == context:
+        if (
+            cached is not None
+            and not self.undecided
+            and len(cached[0]) == len(graph.nodes)
+            and cached[2] == context
+        ):
             return  # decided while recording
         self.planned_now = True
         plans.made += 1

@@ -35,7 +35,17 @@ from .errors import CheckpointError
 from .graph import Node, RegionGraph, human_bytes, walk
 
 __all__ = [
-    "MemoryBudget", "MinCut", "Planner", "Problem", "bundles_of", "closure", "costs", "knapsack", "min_cut_keep", "node_cost", "problem",
+    "MemoryBudget",
+    "MinCut",
+    "Planner",
+    "Problem",
+    "bundles_of",
+    "closure",
+    "costs",
+    "knapsack",
+    "min_cut_keep",
+    "node_cost",
+    "problem",
 ]
 
 # The dynamic program's table has at most this many capacity cells; beyond it, bytes are
@@ -290,8 +300,11 @@ def region_values(graph: RegionGraph, slots) -> set:
     """The (group, state) pairs of the handles in ``slots`` that the region computed (an
     input, or a view of one, is not the planner's to keep)."""
     groups = graph.groups
-    return {(s.meta.group, s.meta.state) for s in slots
-            if not s.exact and groups[s.meta.group].creator is not None}
+    return {
+        (s.meta.group, s.meta.state)
+        for s in slots
+        if not s.exact and groups[s.meta.group].creator is not None
+    }
 
 
 @dataclass
@@ -331,22 +344,42 @@ def problem(graph: RegionGraph, wanted, live=None, held=()) -> Problem:
     full = sum(groups[gid].nbytes for gid in {gid for gid, _ in wanted})
     # Collectives' results are kept by every policy: out of the budget first, priced as kept,
     # never a reason to refuse a budget (the policy did not ask for them).
-    effects = {g for g in (*items, *held)
-               if groups[g].node.decision is MUST_SAVE and effect(groups[g].node.op) is not None}
+    effects = {
+        g
+        for g in (*items, *held)
+        if groups[g].node.decision is MUST_SAVE and effect(groups[g].node.op) is not None
+    }
     items = sorted(items | effects)
     forced_in = [g for g in items if groups[g].node.decision is MUST_SAVE and g not in effects]
     forced_in += [g for g in held if g not in items and groups[g].node.decision is MUST_SAVE]
     offloaded = frozenset(g for g in items if is_offload(groups[g].node.decision))
-    forced_out = {g for g in items if g not in offloaded and ((live is not None and g not in live)
-                  or groups[g].node.decision is MUST_RECOMPUTE)}
-    return Problem(graph, set(wanted), items, full, forced_in, forced_out, live, offloaded=offloaded,
-                   reserved=sum(groups[g].nbytes for g in effects), kept_anyway=frozenset(effects))
+    forced_out = {
+        g
+        for g in items
+        if g not in offloaded
+        and ((live is not None and g not in live) or groups[g].node.decision is MUST_RECOMPUTE)
+    }
+    return Problem(
+        graph,
+        set(wanted),
+        items,
+        full,
+        forced_in,
+        forced_out,
+        live,
+        offloaded=offloaded,
+        reserved=sum(groups[g].nbytes for g in effects),
+        kept_anyway=frozenset(effects),
+    )
 
 
 def must_decisions(graph: RegionGraph) -> dict:
     """The decisions a planner does not make: MUST ones, and offloads (MUST or PREFER)."""
-    return {n.index: n.decision for n in graph.nodes
-            if n.decision in (MUST_SAVE, MUST_RECOMPUTE) or is_offload(n.decision)}
+    return {
+        n.index: n.decision
+        for n in graph.nodes
+        if n.decision in (MUST_SAVE, MUST_RECOMPUTE) or is_offload(n.decision)
+    }
 
 
 # --- planner objects ----------------------------------------------------------------------
@@ -382,8 +415,11 @@ class MemoryBudget(Planner):
 
     def choose(self, p: Problem) -> set[int]:
         limit = max(0, self.bytes_for(p.full) - p.reserved)
-        of = f"{self.budget} of the {human_bytes(p.full)} kept without checkpointing" \
-            if isinstance(self.budget, float) else f"{human_bytes(self.budget)}"
+        of = (
+            f"{self.budget} of the {human_bytes(p.full)} kept without checkpointing"
+            if isinstance(self.budget, float)
+            else f"{human_bytes(self.budget)}"
+        )
         if p.reserved:
             of += f", less {human_bytes(p.reserved)} reserved for values kept whatever the plan"
         return self.prepare(p)(limit, self, of)
@@ -396,8 +432,11 @@ class MemoryBudget(Planner):
         forced = set(forced_in)
         forced_bytes = sum(groups[g].nbytes for g in forced)
         fixed = forced_out | p.offloaded | p.kept_anyway  # replayed, on the host, or kept: not the knapsack's
-        free = [b for b in bundles_of(graph, items)
-                if not any(g in fixed for g in b) and not all(g in forced for g in b)]
+        free = [
+            b
+            for b in bundles_of(graph, items)
+            if not any(g in fixed for g in b) and not all(g in forced for g in b)
+        ]
         weights = [sum(groups[g].nbytes for g in b if g not in forced) for b in free]
         values = costs(graph, free, self.cost, items)
 
@@ -428,8 +467,13 @@ class MinCut(Planner):
     holds_unsaved = True
 
     def choose(self, p: Problem) -> set[int]:
-        keep, _, _ = min_cut_keep(p.graph, p.wanted, replay_matmuls=self.replay_matmuls,
-                                  decisions=must_decisions(p.graph), keepable=p.live)
+        keep, _, _ = min_cut_keep(
+            p.graph,
+            p.wanted,
+            replay_matmuls=self.replay_matmuls,
+            decisions=must_decisions(p.graph),
+            keepable=p.live,
+        )
         return set(keep)
 
     def __repr__(self) -> str:

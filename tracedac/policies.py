@@ -25,11 +25,19 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .decisions import (  # noqa: F401 (re-exported: callers found them here first)
-    MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, RECOMPUTE_OPS, decision, is_save,
+    MATMUL_OPS,
+    MUST_CPU_OFFLOAD,
+    MUST_RECOMPUTE,
+    MUST_SAVE,
+    PREFER_CPU_OFFLOAD,
+    PREFER_RECOMPUTE,
+    PREFER_SAVE,
+    RECOMPUTE_OPS,
+    Held,
+    decision,
+    is_save,
     recompute_by_default,
 )
-from .decisions import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
-from .decisions import Held
 from .errors import CheckpointError
 from .planners import MemoryBudget, MinCut, Planner
 
@@ -52,6 +60,7 @@ __all__ = [
     "save_names",
     "save_ops",
 ]
+
 
 def _packet(op):
     return getattr(op, "overloadpacket", op)
@@ -240,7 +249,9 @@ def _ops(factory: str, ops) -> frozenset:
         if not isinstance(op, (OpOverload, OpOverloadPacket)):
             hint = ""
             if isinstance(op, str):
-                hint = f" For {op!r}, pass torch.ops.aten.{op} (every overload) or torch.ops.aten.{op}.default."
+                hint = (
+                    f" For {op!r}, pass torch.ops.aten.{op} (every overload) or torch.ops.aten.{op}.default."
+                )
             elif callable(op):
                 name = getattr(op, "__name__", repr(op))
                 hint = f" {name} is a Python function; pass the aten op it runs, e.g. torch.ops.aten.{name}."
@@ -314,21 +325,29 @@ def memory_budget(budget, *, cost="flops") -> MemoryBudget:
     (each op's duration, measured while the region records), or a callable ``cost(node)``.
     """
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"memory_budget() takes a fraction (float in [0, 1]) or a number of bytes (int), got {budget!r}")
+        raise TypeError(
+            f"memory_budget() takes a fraction (float in [0, 1]) or a number of bytes (int), got {budget!r}"
+        )
     if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
         hint = ""
         if budget > 1:
             n = int(budget)  # bytes are whole: the int the user most likely meant, said once
             hint = f" For {n} bytes, pass an int: memory_budget({n}); for a fraction, a float in [0, 1]."
-        raise ValueError(f"memory_budget({budget!r}): a float budget is a fraction in [0, 1] of the bytes kept without "
-                         f"checkpointing.{hint}")
+        raise ValueError(
+            f"memory_budget({budget!r}): a float budget is a fraction in [0, 1] of the bytes kept without "
+            f"checkpointing.{hint}"
+        )
     if isinstance(budget, int) and budget < 0:
         raise ValueError(f"memory_budget({budget}): a number of bytes cannot be negative")
     if isinstance(budget, int) and budget == 1:
-        raise ValueError("memory_budget(1) is ambiguous: an int budget is bytes (1 byte), a float a fraction. Pass "
-                         "1.0 to keep everything, or a number of bytes.")
+        raise ValueError(
+            "memory_budget(1) is ambiguous: an int budget is bytes (1 byte), a float a fraction. Pass "
+            "1.0 to keep everything, or a number of bytes."
+        )
     if not (cost in ("flops", "time") or callable(cost)):
-        raise ValueError(f"memory_budget(cost={cost!r}): cost is 'flops', 'time' or a callable cost(node) -> number")
+        raise ValueError(
+            f"memory_budget(cost={cost!r}): cost is 'flops', 'time' or a callable cost(node) -> number"
+        )
     return MemoryBudget(budget, cost)
 
 
@@ -353,7 +372,9 @@ def check_policy(policy) -> None:
 
 def describe_policy(policy) -> str:
     """How a person wrote the policy: ``save_matmuls()``, or a function's name."""
-    if isinstance(policy, (RecomputeAll, SaveAll, SaveOps, SaveNames, Either, Planner, OffloadOps, OffloadNames,
-                           OffloadKept)):
+    if isinstance(
+        policy,
+        (RecomputeAll, SaveAll, SaveOps, SaveNames, Either, Planner, OffloadOps, OffloadNames, OffloadKept),
+    ):
         return repr(policy)
     return getattr(policy, "__qualname__", None) or repr(policy)

@@ -22,21 +22,33 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 from .compile import traced_region
 from .decisions import is_offload, is_save, resolve
 from .graph import RegionGraph
+from .location import track_modules
+from .offload import host_copy, settle
 from .plan_cache import Planning, computation, plan_key
 from .planners import planner_of
 from .replay import Slot
 from .replay_plan import plan
-from .location import track_modules
-from .offload import host_copy, settle
 from .trace import TracerMode
 
-__all__ = ["REBUILDERS", "Region", "current_region", "regions", "register_name", "reporting", "run_region",
-           "tracing", "unregister_name"]
+__all__ = [
+    "REBUILDERS",
+    "Region",
+    "current_region",
+    "regions",
+    "register_name",
+    "reporting",
+    "run_region",
+    "tracing",
+    "unregister_name",
+]
 
 _local = threading.local()
 # Modes under which a region is being traced, not run: its ops are marked, not recorded.
-_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
-                  torch._C._TorchDispatchModeKey.FUNCTIONAL)
+_TRACING_MODES = (
+    torch._C._TorchDispatchModeKey.FAKE,
+    torch._C._TorchDispatchModeKey.PROXY,
+    torch._C._TorchDispatchModeKey.FUNCTIONAL,
+)
 
 
 def _stack() -> list:
@@ -70,8 +82,19 @@ def _owner(t: torch.Tensor):
 class Region:
     """One call of a checkpointed callable: records it, packs what autograd saves, plans replay."""
 
-    def __init__(self, policy, name: str, *, module=None, module_names=None, report=False, args=(), kwargs=None,
-                 code=None, prefix: str = ""):
+    def __init__(
+        self,
+        policy,
+        name: str,
+        *,
+        module=None,
+        module_names=None,
+        report=False,
+        args=(),
+        kwargs=None,
+        code=None,
+        prefix: str = "",
+    ):
         self.constant = getattr(policy, "constant", None)  # a policy that never looks at the node
         self.graph = RegionGraph(name, policy)
         self.module = module
@@ -163,8 +186,11 @@ class Region:
         meta = self.tracer._meta(t)  # usually cached: an argument or result of the op just recorded
         g = self.graph.groups[meta.group]
         if g.creator is None and not g.mutations:
-            if (t is not g.external or (self.parent is not None and self.parent.can_rebuild(t))
-                    or (REBUILDERS and _owner(t) is not None)):
+            if (
+                t is not g.external
+                or (self.parent is not None and self.parent.can_rebuild(t))
+                or (REBUILDERS and _owner(t) is not None)
+            ):
                 # A view made in the region of an input (an expert's slice of a weight) is
                 # rebuilt from the input's storage rather than pinned with its autograd node;
                 # an input an enclosing region computed (or a REBUILDERS owner can rebuild),
@@ -326,7 +352,11 @@ def _arg_refs(items, label: str) -> list:
         if isinstance(a, torch.Tensor):
             refs.append((label.format(k), weakref.ref(a)))
         elif isinstance(a, (tuple, list)):
-            refs += [(f"{label.format(k)}[{i}]", weakref.ref(x)) for i, x in enumerate(a) if isinstance(x, torch.Tensor)]
+            refs += [
+                (f"{label.format(k)}[{i}]", weakref.ref(x))
+                for i, x in enumerate(a)
+                if isinstance(x, torch.Tensor)
+            ]
     return refs
 
 
@@ -436,12 +466,20 @@ def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names
             name = getattr(fn, "__qualname__", type(fn).__name__)
     if module_names is None and module is not None:
         module_names = _module_table(module, name, qualified)
-    with Region(policy, name, module=module, module_names=module_names, report=report, args=call_args,
-                kwargs=call_kwargs, code=code, prefix=f"{name}." if qualified else ""):
+    with Region(
+        policy,
+        name,
+        module=module,
+        module_names=module_names,
+        report=report,
+        args=call_args,
+        kwargs=call_kwargs,
+        code=code,
+        prefix=f"{name}." if qualified else "",
+    ):
         return fn(*args, **kwargs)
 
 
 def regions() -> list:
     """The regions running in this thread, outermost first."""
     return list(getattr(_local, "regions", ()))
-

@@ -40,10 +40,16 @@ _Tensor = torch.Tensor
 _NOT_STARTED = ("",)
 _aten = torch.ops.aten
 # Ops whose result is uninitialized memory: a replay must write it before anything reads it.
-_UNINITIALIZED = frozenset([
-    _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
-    _aten.new_empty.default, _aten.new_empty_strided.default, _aten.empty_permuted.default,
-])
+_UNINITIALIZED = frozenset(
+    [
+        _aten.empty.memory_format,
+        _aten.empty_like.default,
+        _aten.empty_strided.default,
+        _aten.new_empty.default,
+        _aten.new_empty_strided.default,
+        _aten.empty_permuted.default,
+    ]
+)
 # Debugging: fill every allocation replay makes without initializing it (an ``empty_like``,
 # a ``Layout`` argument) with NaN (integers: their largest value), so that a replay handing
 # autograd memory nobody wrote shows as NaN gradients instead of whatever was there.
@@ -227,9 +233,16 @@ def _arg(env: _Env, a):
 
 def _on(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
     """A tensor laid out as ``m`` on ``t``'s storage (``t`` itself when it already is)."""
-    if t.size() == m.size and t.stride() == m.stride and t.storage_offset() == m.offset and t.dtype == m.dtype:
+    if (
+        t.size() == m.size
+        and t.stride() == m.stride
+        and t.storage_offset() == m.offset
+        and t.dtype == m.dtype
+    ):
         return t
-    return torch.empty(0, dtype=m.dtype, device=t.device).set_(t.untyped_storage(), m.offset, m.size, m.stride)
+    return torch.empty(0, dtype=m.dtype, device=t.device).set_(
+        t.untyped_storage(), m.offset, m.size, m.stride
+    )
 
 
 def _run_compiled(graph: RegionGraph, p: Plan, slots: list) -> bool:
@@ -324,7 +337,9 @@ def _replay(graph: RegionGraph, caller: Slot) -> None:
                     source = _source(groups[gid], kind)
                     env.put(gid, source.untyped_storage(), state, borrowed=True)
                     # the source itself serves the arguments laid out as it is, with no set_
-                    env.views[gid] = {(source.dtype, source.size(), source.stride(), source.storage_offset()): source}
+                    env.views[gid] = {
+                        (source.dtype, source.size(), source.stride(), source.storage_offset()): source
+                    }
                     if gid in captures:
                         capture(gid)
             for i in p.nodes:

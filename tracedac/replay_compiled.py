@@ -201,7 +201,11 @@ def _build(graph, p, key, n_inputs: int, outputs):
         if r[0] == "n":
             _, pos, k, dtype, size, stride, offset = r
             node = nodes[p.nodes[pos]]
-            out = results[pos] if len(node.outputs) == 1 else g.call_function(operator.getitem, (results[pos], k))
+            out = (
+                results[pos]
+                if len(node.outputs) == 1
+                else g.call_function(operator.getitem, (results[pos], k))
+            )
             base = node.outputs[k]
             if (dtype, size, stride, offset) == (base.dtype, base.size, base.stride, base.offset):
                 return out
@@ -232,7 +236,9 @@ def _build(graph, p, key, n_inputs: int, outputs):
     outs = []
     for pos, k in outputs:
         node = nodes[p.nodes[pos]]
-        outs.append(results[pos] if len(node.outputs) == 1 else g.call_function(operator.getitem, (results[pos], k)))
+        outs.append(
+            results[pos] if len(node.outputs) == 1 else g.call_function(operator.getitem, (results[pos], k))
+        )
     g.output(tuple(outs))
     return fx.GraphModule(torch.nn.Module(), g)
 
@@ -276,8 +282,11 @@ def run(graph, p, source, wanted_groups) -> dict | None:
             except _Refused as e:
                 return _refuse(key, str(e))
             except Exception as e:  # inductor could not compile it: op by op is always right
-                warnings.warn(f"tracedac: compiled replay failed to compile a replay of {len(p.nodes)} ops "
-                              f"({type(e).__name__}: {e}); it replays op by op", stacklevel=2)
+                warnings.warn(
+                    f"tracedac: compiled replay failed to compile a replay of {len(p.nodes)} ops "
+                    f"({type(e).__name__}: {e}); it replays op by op",
+                    stacklevel=2,
+                )
                 return _refuse(key, f"compile error {type(e).__name__}")
             with _lock:
                 _programs[key] = prog
@@ -289,8 +298,15 @@ def run(graph, p, source, wanted_groups) -> dict | None:
     for ((pos, k), gid), o in zip(wanted, outs):
         m = graph.nodes[p.nodes[pos]].outputs[k]
         s = o.untyped_storage() if isinstance(o, torch.Tensor) else None
-        if (s is None or o.size() != m.size or o.stride() != m.stride or o.storage_offset() != m.offset
-                or o.dtype != m.dtype or s.nbytes() != graph.groups[gid].nbytes or s._cdata in storages):
+        if (
+            s is None
+            or o.size() != m.size
+            or o.stride() != m.stride
+            or o.storage_offset() != m.offset
+            or o.dtype != m.dtype
+            or s.nbytes() != graph.groups[gid].nbytes
+            or s._cdata in storages
+        ):
             # inductor's outputs are not laid out as the recorded ones (or share a storage):
             # this structure replays op by op from now on
             return _refuse(key, "layout")

@@ -58,18 +58,33 @@ class SavedReport:
 
     def __repr__(self) -> str:
         host = f", offloaded {human_bytes(self.offloaded_bytes)}" if self.offloaded_bytes else ""
-        return (f"SavedReport({len(self.rows)} rows, kept {human_bytes(self.kept_bytes)}{host}, "
-                f"replayed {human_bytes(self.replayed_bytes)} in {self.replay_ops} ops)")
+        return (
+            f"SavedReport({len(self.rows)} rows, kept {human_bytes(self.kept_bytes)}{host}, "
+            f"replayed {human_bytes(self.replayed_bytes)} in {self.replay_ops} ops)"
+        )
 
     def __str__(self) -> str:
         headers = ("region", "kind", "op", "shape", "dtype", "bytes", "source", "module", "label", "why")
         table = [
-            (r.region, r.kind, r.op, "x".join(map(str, r.shape)) or "scalar", str(r.dtype).removeprefix("torch."),
-             human_bytes(r.bytes), _short(r.source), r.module or "", r.label, r.why)
+            (
+                r.region,
+                r.kind,
+                r.op,
+                "x".join(map(str, r.shape)) or "scalar",
+                str(r.dtype).removeprefix("torch."),
+                human_bytes(r.bytes),
+                _short(r.source),
+                r.module or "",
+                r.label,
+                r.why,
+            )
             for r in self.rows
         ]
         widths = [max([len(h)] + [len(row[i]) for row in table]) for i, h in enumerate(headers)]
-        line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+        def line(cells):
+            return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
         out = [line(headers), line("-" * w for w in widths)]
         out += [line(row) for row in table]
         out.append("")

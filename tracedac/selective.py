@@ -47,8 +47,13 @@ from .errors import CheckpointError
 from .graph import Layout, TensorMeta
 from .trace import deciding
 
-__all__ = ["TorchSelective", "from_context_fn", "is_noop_context_fn", "policy_for_context_fn",
-           "torch_selective"]
+__all__ = [
+    "TorchSelective",
+    "from_context_fn",
+    "is_noop_context_fn",
+    "policy_for_context_fn",
+    "torch_selective",
+]
 
 # torch 2.13's context carries the op's result; older ones only ``is_recompute``.
 try:
@@ -67,8 +72,11 @@ _FOREIGN = (
 
 def is_noop_context_fn(context_fn) -> bool:
     """``None`` or torch's default ``noop_context_fn``: nothing asked."""
-    return context_fn is None or context_fn is _torch_checkpoint.noop_context_fn or \
-        getattr(context_fn, "__name__", "") == "noop_context_fn"
+    return (
+        context_fn is None
+        or context_fn is _torch_checkpoint.noop_context_fn
+        or getattr(context_fn, "__name__", "") == "noop_context_fn"
+    )
 
 
 def from_context_fn(context_fn, where: str = "checkpoint_call"):
@@ -152,8 +160,11 @@ class TorchSelective(Held):
     def __call__(self, node) -> CheckpointPolicy:
         call = deciding(node)
         args, kwargs, out = call if call is not None else _stand_ins(node)
-        ctx = (SelectiveCheckpointContext(is_recompute=False, op_output=out) if _HAS_OUTPUT
-               else SelectiveCheckpointContext(is_recompute=False))
+        ctx = (
+            SelectiveCheckpointContext(is_recompute=False, op_output=out)
+            if _HAS_OUTPUT
+            else SelectiveCheckpointContext(is_recompute=False)
+        )
         d = self.policy_fn(ctx, node.op, *args, **kwargs)
         if isinstance(d, bool):  # torch's older convention: True to save
             return MUST_SAVE if d else PREFER_RECOMPUTE

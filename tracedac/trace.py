@@ -19,7 +19,8 @@ from ._compat import dynamo_off, dynamo_restore
 from .errors import CheckpointError
 from .graph import Group, Layout, Node, RegionGraph, TensorMeta, flatten_outputs
 from .location import current_module_path, user_source
-from .op_info import _INFO, op_info, storage_address as _address
+from .op_info import _INFO, op_info
+from .op_info import storage_address as _address
 from .writes import writes_now
 
 __all__ = ["TracerMode", "deciding", "unrecorded"]
@@ -94,7 +95,10 @@ def _written_tensors(positions, args, kwargs):
 def _check_replayable(t: torch.Tensor, producer=None) -> None:
     """Refuse what tracedac cannot replay: ``t`` reached an op, or ``producer`` returned it."""
     where = "reached an op" if producer is None else f"was returned by {producer}"
-    if type(t) not in _PLAIN_TYPES and type(t).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl:
+    if (
+        type(t) not in _PLAIN_TYPES
+        and type(t).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
+    ):
         raise CheckpointError(
             f"a {type(t).__name__} (a tensor subclass) {where} inside a checkpointed "
             "region; tracedac records plain tensors only and could not replay it. Checkpoint "
@@ -261,13 +265,20 @@ class TracerMode(TorchDispatchMode):
     def _new_meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
         # One meta per distinct tensor seen: the graph and the handles share it (the same
         # weight view read by several ops, an activation read again after other ops).
-        size, stride, state, dtype, offset = t.size(), t.stride(), len(g.mutations), t.dtype, t.storage_offset()
+        size, stride, state, dtype, offset = (
+            t.size(),
+            t.stride(),
+            len(g.mutations),
+            t.dtype,
+            t.storage_offset(),
+        )
         key = (g.id, state, dtype, size, stride, offset)
         m = self.metas.get(key)
         if m is None:
             shapes = self.shapes
-            m = self.metas[key] = TensorMeta(g.id, state, dtype, shapes.setdefault(size, size),
-                                             shapes.setdefault(stride, stride), offset)
+            m = self.metas[key] = TensorMeta(
+                g.id, state, dtype, shapes.setdefault(size, size), shapes.setdefault(stride, stride), offset
+            )
         self.recent[id(t)] = (t, m, g)
         return m
 
@@ -372,8 +383,11 @@ class TracerMode(TorchDispatchMode):
                 created = () if _address(out) in storages else ((0, self._new_group(out)),)
             else:
                 flat = flatten_outputs(out)
-                created = [(i, self._new_group(o)) for i, o in enumerate(flat)
-                           if isinstance(o, _Tensor) and _address(o) not in storages]
+                created = [
+                    (i, self._new_group(o))
+                    for i, o in enumerate(flat)
+                    if isinstance(o, _Tensor) and _address(o) not in storages
+                ]
         except (RuntimeError, NotImplementedError):
             for o in flatten_outputs(out):
                 if isinstance(o, _Tensor):
@@ -385,8 +399,14 @@ class TracerMode(TorchDispatchMode):
         graph = self.graph
         region = self.region
         node = Node(
-            len(graph.nodes), func, margs, mkwargs, (), tuple([g.id for _, g, _, _ in written]) if written else (),
-            _FIRST if len(created) == 1 and created[0][0] == 0 else tuple([i for i, _ in created]), rng,
+            len(graph.nodes),
+            func,
+            margs,
+            mkwargs,
+            (),
+            tuple([g.id for _, g, _, _ in written]) if written else (),
+            _FIRST if len(created) == 1 and created[0][0] == 0 else tuple([i for i, _ in created]),
+            rng,
             current_module_path(region.module_names) if region.tracks_modules else None,
             user_source() if self.sources else None,
         )

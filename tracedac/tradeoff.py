@@ -40,9 +40,15 @@ class TradeOff(list):
     def __str__(self) -> str:
         lines = [f"{'budget':>8}  {'bytes kept':>12}  {'replay GFLOP':>12}  {'ops':>5}  policy"]
         for r in [*self, *self.references]:
-            budget = "" if r.budget is None else (f"{r.budget:.2f}" if isinstance(r.budget, float) else str(r.budget))
-            lines.append(f"{budget:>8}  {human_bytes(r.bytes_kept):>12}  {r.replay_flops / 1e9:>12.4f}  "
-                         f"{r.ops_replayed:>5}  {r.policy}")
+            budget = (
+                ""
+                if r.budget is None
+                else (f"{r.budget:.2f}" if isinstance(r.budget, float) else str(r.budget))
+            )
+            lines.append(
+                f"{budget:>8}  {human_bytes(r.bytes_kept):>12}  {r.replay_flops / 1e9:>12.4f}  "
+                f"{r.ops_replayed:>5}  {r.policy}"
+            )
         lines.append(f"(without checkpointing the region keeps {human_bytes(self.full)})")
         return "\n".join(lines)
 
@@ -58,8 +64,13 @@ class TradeOff(list):
         ax.step(mib, gflop, where="post", marker="o", label="memory_budget")
         for r in self.references:
             ax.scatter([r.bytes_kept / 2**20], [r.replay_flops / 1e9], marker="x", s=60, zorder=3)
-            ax.annotate(r.policy, (r.bytes_kept / 2**20, r.replay_flops / 1e9), textcoords="offset points",
-                        xytext=(5, 5), fontsize=8)
+            ax.annotate(
+                r.policy,
+                (r.bytes_kept / 2**20, r.replay_flops / 1e9),
+                textcoords="offset points",
+                xytext=(5, 5),
+                fontsize=8,
+            )
         ax.set_xlabel("bytes kept after forward (MiB)")
         ax.set_ylabel("replay in backward (GFLOP)")
         ax.set_title("memory vs. replay")
@@ -82,7 +93,9 @@ class _Region:
     def evaluate(self, kept: set) -> tuple[int, int, int]:
         """(bytes kept, replay FLOPs, ops replayed) when the storages ``kept`` are held."""
         graph = self.graph
-        run = closure(graph, self.wanted, kept | self.problem.offloaded)  # offloaded: replay starts on the host copy
+        run = closure(
+            graph, self.wanted, kept | self.problem.offloaded
+        )  # offloaded: replay starts on the host copy
         read = {m.group for i in run for m in graph.nodes[i].tensor_args}
         used = {g for g in kept if g in self.item_set or g in read}  # a kept result nothing reads is let go
         return (sum(graph.groups[g].nbytes for g in used), sum(graph.nodes[i].flops for i in run), len(run))
@@ -96,8 +109,7 @@ class _Region:
 
     def kept_by(self, policy) -> set:
         """What a per-op policy keeps: the storages whose last writer it decides to save."""
-        return {g.id for g in self.graph.groups
-                if g.creator is not None and is_save(resolve(policy, g.node))}
+        return {g.id for g in self.graph.groups if g.creator is not None and is_save(resolve(policy, g.node))}
 
 
 def _recording_policy(fn):
@@ -124,6 +136,7 @@ def trade_off(fn, *args, budgets=None, **kwargs) -> TradeOff:
     frontier = budgets is None
     if frontier:
         budgets = [i / 100 for i in range(101)]
+
     def row(budget, kept_by, policy) -> TradeOffRow:
         totals = [p.evaluate(kept_by(p)) for p in problems]  # summed over the regions
         return TradeOffRow(budget, *(sum(t[k] for t in totals) for k in range(3)), repr(policy))
@@ -134,8 +147,10 @@ def trade_off(fn, *args, budgets=None, **kwargs) -> TradeOff:
         rows.append(row(b, lambda p: p.plan(planner), planner))
     if frontier:
         rows = _pareto(rows)
-    references = [row(None, lambda p: p.kept_by(policy), policy)
-                  for policy in (recompute_all(), save_matmuls(), save_all())]
+    references = [
+        row(None, lambda p: p.kept_by(policy), policy)
+        for policy in (recompute_all(), save_matmuls(), save_all())
+    ]
     return TradeOff(rows, references, sum(p.full for p in problems))
 
 

@@ -51,15 +51,31 @@ EXTRA: dict[str, tuple[tuple[str, ...], str]] = {
 # outputs of ``allgather_``, ``gather_`` and ``allgather_coalesced_`` (``dist.all_gather`` into
 # a list; ``dist.all_gather_into_tensor`` is ``_allgather_base_``).
 _C10D_WRITES = {
-    "allreduce_": "tensors", "allreduce_coalesced_": "tensors", "broadcast_": "tensors", "reduce_": "tensors",
-    "_allgather_base_": "output_tensor", "allgather_into_tensor_coalesced_": "outputs",
-    "_reduce_scatter_base_": "output_tensor", "reduce_scatter_tensor_coalesced_": "outputs",
-    "reduce_scatter_": "output_tensors", "alltoall_base_": "output", "alltoall_": "output_tensors",
-    "scatter_": "output_tensors", "recv_": "tensors", "recv_any_source_": "tensors",
+    "allreduce_": "tensors",
+    "allreduce_coalesced_": "tensors",
+    "broadcast_": "tensors",
+    "reduce_": "tensors",
+    "_allgather_base_": "output_tensor",
+    "allgather_into_tensor_coalesced_": "outputs",
+    "_reduce_scatter_base_": "output_tensor",
+    "reduce_scatter_tensor_coalesced_": "outputs",
+    "reduce_scatter_": "output_tensors",
+    "alltoall_base_": "output",
+    "alltoall_": "output_tensors",
+    "scatter_": "output_tensors",
+    "recv_": "tensors",
+    "recv_any_source_": "tensors",
 }
-EXTRA.update({f"c10d::{op}": ((arg,), "a torch.distributed collective writes its result into this argument, "
-                                      "which c10d's schema does not annotate")
-              for op, arg in _C10D_WRITES.items()})
+EXTRA.update(
+    {
+        f"c10d::{op}": (
+            (arg,),
+            "a torch.distributed collective writes its result into this argument, "
+            "which c10d's schema does not annotate",
+        )
+        for op, arg in _C10D_WRITES.items()
+    }
+)
 
 
 def hidden_writes(func):
@@ -72,8 +88,9 @@ def hidden_writes(func):
     if extra is not None:
         written = tuple((i, a.name) for i, a in enumerate(arguments) if a.name in extra[0])
         return (None, None, written) if written else None
-    flag = next(((i, a.name) for i, a in enumerate(arguments)
-                 if a.name in _FLAGS and str(a.type) == "bool"), None)
+    flag = next(
+        ((i, a.name) for i, a in enumerate(arguments) if a.name in _FLAGS and str(a.type) == "bool"), None
+    )
     if flag is None:
         return None  # not a training op: SchemaInfo adds nothing to the annotations
     from torch._C import _SchemaArgType, _SchemaArgument, _SchemaInfo

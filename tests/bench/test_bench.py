@@ -44,7 +44,11 @@ def rows(result) -> dict:
 
 def test_every_variant_reports_time_memory_gradient_difference_and_tokens(quick):
     assert [r["key"] for r in quick["variants"]] == [
-        "none", "torch", "torch_sac", "torch_remat", *TRACEDAC,
+        "none",
+        "torch",
+        "torch_sac",
+        "torch_remat",
+        *TRACEDAC,
     ]
     for row in quick["variants"]:
         if row["status"] != "ok":
@@ -64,7 +68,9 @@ def test_every_variant_reports_time_memory_gradient_difference_and_tokens(quick)
         assert 0 < min(times) <= tracing[f"{key}_forward_s"] <= max(times)  # a statistic of its own forwards
     for key in ("empty_mode", "least_recorder", "traced"):
         ratio = tracing["ratio" if key == "traced" else f"{key}_ratio"]
-        assert (ratio < 1) == (tracing[f"{key}_forward_s"] < tracing["plain_forward_s"])  # over the plain forward
+        assert (ratio < 1) == (
+            tracing[f"{key}_forward_s"] < tracing["plain_forward_s"]
+        )  # over the plain forward
 
 
 def test_the_empty_mode_baseline_runs_the_blocks_ops_through_a_mode_and_changes_nothing(monkeypatch):
@@ -160,7 +166,8 @@ def test_targets_are_judged_from_the_rows_they_name():
     checkpoint (fails <= 1.40), the same bytes as torch's selective (passes <= 1.00), half
     its step time, and a traced forward 1.05x the plain one (passes <= 1.10)."""
     made_up = [
-        {"key": "none", "step_s": 1.0}, {"key": "torch", "step_s": 2.0},
+        {"key": "none", "step_s": 1.0},
+        {"key": "torch", "step_s": 2.0},
         {"key": "torch_sac", "step_s": 1.0, "bytes_held": 100},
         {"key": "tracedac_recompute_all", "step_s": 3.0},
         {"key": "tracedac_save_matmuls", "step_s": 0.5, "bytes_held": 100},
@@ -193,7 +200,11 @@ def test_the_cli_writes_every_figure_as_json(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")  # see the quick fixture
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--steps", "1", "--json", str(path)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,  # benchmarks/ is not installed
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,  # benchmarks/ is not installed
     )
     assert done.returncode == 0, done.stderr
     figures = json.loads(path.read_text())

@@ -12,7 +12,9 @@ def test_step_times_in_turns_time_every_variant_without_a_recompile(monkeypatch)
     """Two variants alive at once, compiled (aot_eager here: inductor adds nothing to what
     this checks), stepped in turns: each gets every step, and no step compiles."""
     monkeypatch.setattr(compiled, "IN_TURNS", ("none", "tracedac_recompute_all", "tracedac_eager"))
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager_decomp_partition"))
+    monkeypatch.setattr(
+        torch, "compile", functools.partial(torch.compile, backend="aot_eager_decomp_partition")
+    )
     cfg = compiled.QUICK
     said = []
     times = compiled._in_turns(GPT.seeded(cfg), make_batch(cfg), cfg, 3, said.append)

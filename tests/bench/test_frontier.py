@@ -22,20 +22,25 @@ def test_a_sweep_on_the_quick_model_spans_torchs_extremes_and_places_tracedacs_b
     (_, none_bytes, none_flops), (_, all_bytes, all_flops) = curve["torch"]
     assert none_bytes < all_bytes and none_flops > all_flops == 0  # recompute all vs keep all
     for who in ("tracedac", "tracedac, one region"):
-        (_, ours_bytes, ours_flops), = curve[who]
+        ((_, ours_bytes, ours_flops),) = curve[who]
         assert none_bytes < ours_bytes <= 0.5 * all_bytes and ours_flops > 0
-        assert _equal_bytes(curve, who) == pytest.approx(ours_flops / frontier.at_bytes(curve["torch"], ours_bytes))
-    assert _equal_bytes(curve) == _equal_bytes(curve, "tracedac, one region")  # the target's point: same scope
+        assert _equal_bytes(curve, who) == pytest.approx(
+            ours_flops / frontier.at_bytes(curve["torch"], ours_bytes)
+        )
+    assert _equal_bytes(curve) == _equal_bytes(
+        curve, "tracedac, one region"
+    )  # the target's point: same scope
     # the per-block point is read against its floor: what its plans replay by their own price
     # bounds the partition's replay, and the floor bounds the plans
-    (budget, planned, least), = curve["floor"]
+    ((budget, planned, least),) = curve["floor"]
     assert budget == 0.5 and 0 < least <= planned and curve["tracedac"][0][2] <= planned
 
 
 def test_a_compiled_budget_replays_no_more_than_its_plan_priced(monkeypatch):
     """The plan's exact price (the FLOPs of ``closure``'s nodes: what replay runs to rebuild
-    what backward reads, given what the plan keeps) bounds what torch's partitioner replays. Priced on the values the untagged
-    partition saves only, the plan missed a residual sum that the layer norm's backward reads:
+    what backward reads, given what the plan keeps) bounds what torch's partitioner replays.
+    Priced on the values the untagged partition saves only, the plan missed a residual sum
+    that the layer norm's backward reads:
     the tags make the partitioner rebuild it through the attention's output projection
     (priced 0.25 MFLOP, replayed 0.66)."""
     import copy

@@ -5,16 +5,15 @@ import copy
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import tracedac
 from benchmarks import hull
 from benchmarks.compiled import QUICK
 from benchmarks.model import GPT, make_batch
 from tracedac.compile.report import partition
-
-import torch
-
 from tracedac.inspect import record
 from tracedac.tradeoff import _Region
 
@@ -31,8 +30,9 @@ OPS = {
     "add": lambda a, b, w: a + b,
     "relu": lambda a, b, w: a.relu(),
 }
-programs = st.lists(st.tuples(st.sampled_from(sorted(OPS)), st.integers(0, 9), st.integers(0, 9)),
-                    min_size=1, max_size=4)
+programs = st.lists(
+    st.tuples(st.sampled_from(sorted(OPS)), st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=4
+)
 
 
 def _run(program, x, *w):
@@ -45,9 +45,13 @@ def _run(program, x, *w):
 def _recorded(program, seed):
     torch.manual_seed(seed)
     x = torch.randn(4, 6, requires_grad=True)
-    w = [(torch.randn(6, 6) / 3).requires_grad_(), (torch.randn(6, 12) / 3).requires_grad_(),
-         (torch.randn(12, 6) / 3).requires_grad_(), (torch.randn(6, 2) / 3).requires_grad_(),
-         (torch.randn(2, 6) / 3).requires_grad_()]
+    w = [
+        (torch.randn(6, 6) / 3).requires_grad_(),
+        (torch.randn(6, 12) / 3).requires_grad_(),
+        (torch.randn(12, 6) / 3).requires_grad_(),
+        (torch.randn(6, 2) / 3).requires_grad_(),
+        (torch.randn(2, 6) / 3).requires_grad_(),
+    ]
     regions, out = record(_run, (program, x, *w), {}, tracedac.policies.memory_budget(1.0))
     del out
     (region,) = regions
@@ -113,7 +117,9 @@ def test_per_block_budgets_on_the_quick_model_replay_within_3_percent_of_their_f
         assert 0 < plan.nbytes <= plan.limit
         bound, _ = hull.floor(plan.problem, plan.limit)
         assert bound <= plan.flops <= 1.03 * bound
-    assert part.replay_flops <= sum(plan.flops for plan in plans)  # the partition replays what was priced, or less
+    assert part.replay_flops <= sum(
+        plan.flops for plan in plans
+    )  # the partition replays what was priced, or less
 
 
 def test_the_floor_of_a_limit_below_what_must_be_kept_is_infinite():

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from tracedac import replay_compiled as compiled
 from benchmarks import llama_steps
+from tracedac import replay_compiled as compiled
 
 
 def _run(variants):
@@ -22,7 +22,14 @@ def _run(variants):
 
 def test_every_eager_variant_steps_with_the_no_checkpoint_gradients():
     compiled.clear()
-    keys = ("none", "torch", "torch_sac", "tracedac_recompute_all", "tracedac_save_matmuls", "tracedac_compiled_replay")
+    keys = (
+        "none",
+        "torch",
+        "torch_sac",
+        "tracedac_recompute_all",
+        "tracedac_save_matmuls",
+        "tracedac_compiled_replay",
+    )
     r = _run(keys)
     rows = {x["key"]: x for x in r["variants"]}
     assert list(rows) == list(keys)
@@ -36,9 +43,11 @@ def test_every_eager_variant_steps_with_the_no_checkpoint_gradients():
     assert "tracedac recompute_all, compiled replay" in text and "1.00x" in text  # torch's row against itself
 
 
-@pytest.mark.skipif(os.environ.get("TRACEDAC_SLOW_TESTS", "") in ("", "0"),
-                    reason="torch.compile of the model takes about two minutes on a 2-core CPU; "
-                    "TRACEDAC_SLOW_TESTS=1 runs it")
+@pytest.mark.skipif(
+    os.environ.get("TRACEDAC_SLOW_TESTS", "") in ("", "0"),
+    reason="torch.compile of the model takes about two minutes on a 2-core CPU; "
+    "TRACEDAC_SLOW_TESTS=1 runs it",
+)
 def test_the_torch_compile_row_steps_with_the_no_checkpoint_gradients():
     rows = {x["key"]: x for x in _run(("none", "torch_compile"))["variants"]}
     assert rows["torch_compile"]["max_grad_diff"] < 1e-5 and rows["torch_compile"]["step_s"] > 0

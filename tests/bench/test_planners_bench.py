@@ -31,7 +31,10 @@ def budget_rows(result) -> list[dict]:
 
 def test_every_row_reports_bytes_kept_replay_flops_and_step_time(quick):
     assert [r["key"] for r in quick["tracedac_rows"]] == [
-        "none", "save_all", "recompute_all", *(f"budget_{b:.2f}" for b in planners.QUICK_BUDGETS),
+        "none",
+        "save_all",
+        "recompute_all",
+        *(f"budget_{b:.2f}" for b in planners.QUICK_BUDGETS),
     ]
     for row in quick["tracedac_rows"]:
         assert row["status"] == "ok", row["status"]
@@ -78,8 +81,21 @@ def test_from_the_second_step_the_forward_peak_is_below_the_no_checkpoint_peak(q
 
 
 def test_the_figures_have_every_key_and_the_report_marks_every_check(quick):
-    assert {"config", "budgets", "planner", "library", "probe", "torch_backend", "tracedac_rows", "torch_rows",
-            "peaks", "checks", "slack_per_region", "tensor_slack_per_region", "wall_s"} <= quick.keys()
+    assert {
+        "config",
+        "budgets",
+        "planner",
+        "library",
+        "probe",
+        "torch_backend",
+        "tracedac_rows",
+        "torch_rows",
+        "peaks",
+        "checks",
+        "slack_per_region",
+        "tensor_slack_per_region",
+        "wall_s",
+    } <= quick.keys()
     assert quick["torch_rows"] == "not asked for (compare_torch=False)"
     text = planners.format_report(quick)
     assert text.count("  met  ") + text.count("  missed  ") + text.count("  n/a  ") == len(quick["checks"])
@@ -118,8 +134,13 @@ def test_torch_is_compared_with_tracedac_at_its_own_bytes_and_tracedac_must_keep
     torch_rows = [{"budget": 0.5, "tensor_bytes": 10 << 20, "recompute_flops": 100}]
 
     def verdict(tensor_bytes, replay_flops):
-        row = {"key": "match_0.50", "label": "memory_budget(5242880) [torch 0.5]", "status": "ok",
-               "tensor_bytes": tensor_bytes, "replay_flops": replay_flops}
+        row = {
+            "key": "match_0.50",
+            "label": "memory_budget(5242880) [torch 0.5]",
+            "status": "ok",
+            "tensor_bytes": tensor_bytes,
+            "replay_flops": replay_flops,
+        }
         (check,) = planners._checks(planners.QUICK, [row], torch_rows)
         return check["passed"]
 

@@ -32,15 +32,40 @@ def _two_ranks(tmp, *flags, timeout=TIMEOUT_S):
     procs, logs = [], []
     for rank in range(2):
         # One thread per rank, as torchrun sets it: two ranks share this machine's cores.
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   OMP_NUM_THREADS="1")
-        out, err = open(tmp / f"rank{rank}.out", "w+"), open(tmp / f"rank{rank}.err", "w+")  # files: no pipe to fill
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+        )
+        out, err = (
+            open(tmp / f"rank{rank}.out", "w+"),
+            open(tmp / f"rank{rank}.err", "w+"),
+        )  # files: no pipe to fill
         logs.append((out, err))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks", "--zero", "--quick", *flags,
-             "--init-method", f"file://{tmp / 'init'}", "--json", str(figures)],
-            env=env, stdout=out, stderr=err, text=True, cwd=ROOT,  # benchmarks/ is not installed
-        ))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks",
+                    "--zero",
+                    "--quick",
+                    *flags,
+                    "--init-method",
+                    f"file://{tmp / 'init'}",
+                    "--json",
+                    str(figures),
+                ],
+                env=env,
+                stdout=out,
+                stderr=err,
+                text=True,
+                cwd=ROOT,  # benchmarks/ is not installed
+            )
+        )
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -58,7 +83,9 @@ def _two_ranks(tmp, *flags, timeout=TIMEOUT_S):
         texts.append((out.read(), err.read()))
         out.close(), err.close()
     for rank, (p, (_, err)) in enumerate(zip(procs, texts)):
-        assert p.returncode == 0, f"rank {rank} exited with {p.returncode} (killed after {timeout} s if -9):\n{err[-3000:]}"
+        assert p.returncode == 0, (
+            f"rank {rank} exited with {p.returncode} (killed after {timeout} s if -9):\n{err[-3000:]}"
+        )
     return json.loads(figures.read_text()), texts[0][0], texts[1][0]
 
 
@@ -86,13 +113,32 @@ def test_rank_0_prints_the_table_and_the_other_rank_stays_quiet(quick):
 
 def test_the_json_has_every_figure(quick):
     figures, _, _ = quick
-    assert {"config", "steps", "world_size", "units", "variants", "targets", "wall_s", "torch"} <= figures.keys()
+    assert {
+        "config",
+        "steps",
+        "world_size",
+        "units",
+        "variants",
+        "targets",
+        "wall_s",
+        "torch",
+    } <= figures.keys()
     assert figures["world_size"] == 2
     for row in figures["variants"]:
         assert {"key", "label", "library", "precision", "status"} <= row.keys()
         if row["status"] == "ok":
-            assert {"step_s", "step_times_s", "step_vs_fsdp2", "bytes_held", "bytes_fixed", "full_unit_held",
-                    "all_gather_bytes", "all_gather_calls", "loss", "loss_diff"} <= row.keys()
+            assert {
+                "step_s",
+                "step_times_s",
+                "step_vs_fsdp2",
+                "bytes_held",
+                "bytes_fixed",
+                "full_unit_held",
+                "all_gather_bytes",
+                "all_gather_calls",
+                "loss",
+                "loss_diff",
+            } <= row.keys()
 
 
 def test_every_variant_runs_or_says_why_not_and_its_numbers_are_finite(quick):
@@ -103,7 +149,9 @@ def test_every_variant_runs_or_says_why_not_and_its_numbers_are_finite(quick):
     for row in figures["variants"]:
         if row["status"] != "ok":
             # DeepSpeed is optional; when absent or broken the row says so and the rest runs.
-            assert row["library"] == "deepspeed" and row["status"].startswith(("not installed", "failed")), row
+            assert row["library"] == "deepspeed" and row["status"].startswith(("not installed", "failed")), (
+                row
+            )
             continue
         assert len(row["step_times_s"]) == figures["steps"]
         for value in (row["step_s"], row["bytes_held"], row["bytes_fixed"], row["loss"], row["loss_diff"]):
@@ -178,15 +226,26 @@ def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_e
     figures, rank0, _ = quick_compiled
     by = rows(figures)
     assert figures["compiled"] and "vs FSDP2 compiled" in rank0
-    assert list(by) == ["replicated", "tracedac_fp32", "tracedacc_fp32", "fsdp2c_fp32", "tracedac_bf16",
-                        "tracedacc_bf16", "fsdp2c_bf16", "tracedacc_bf16_unchecked"]
+    assert list(by) == [
+        "replicated",
+        "tracedac_fp32",
+        "tracedacc_fp32",
+        "fsdp2c_fp32",
+        "tracedac_bf16",
+        "tracedacc_bf16",
+        "fsdp2c_bf16",
+        "tracedacc_bf16_unchecked",
+    ]
     assert all(r["status"] == "ok" for r in by.values()), {k: r["status"] for k, r in by.items()}
     assert by["tracedacc_fp32"]["graph_breaks"] == 0 and by["tracedacc_bf16"]["graph_breaks"] == 0
     # no dropout in this mode: every fp32 row trains the replicated run's losses
     for key in ("tracedac_fp32", "tracedacc_fp32", "fsdp2c_fp32"):
         assert by[key]["loss_diff"] < 1e-4, (key, by[key]["loss_diff"])
     # the bytes are counted from the process group's calls inside the compiled graphs too
-    assert by["tracedacc_fp32"]["all_gather_bytes"]["float32"] == by["tracedac_fp32"]["all_gather_bytes"]["float32"]
+    assert (
+        by["tracedacc_fp32"]["all_gather_bytes"]["float32"]
+        == by["tracedac_fp32"]["all_gather_bytes"]["float32"]
+    )
     assert by["fsdp2c_bf16"]["all_gather_bytes"].get("bfloat16", 0) > 0
     # "auto", compiled: the gather-cast pass puts the Linear and expert weights on the wire in bf16
     auto = by["tracedacc_bf16"]["all_gather_bytes"]

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import tracedac
-from tracedac import CheckpointError, policies
 from benchmarks.probe import allocated_bytes
-from tracedac.region import current_region, reporting
+from tracedac import CheckpointError, policies
 from tracedac.integrations import hf
 from tracedac.plan_cache import plans
+from tracedac.region import current_region, reporting
 
 from ..support.hf_models import ARCHITECTURES, batch, build, loss
 
@@ -118,7 +118,9 @@ def test_regions_carry_the_layers_qualified_name_in_reports_and_errors():
     out = loss(model, inputs)
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight.mul_(2)
-    with pytest.raises(CheckpointError, match=r"parameter 'model.layers.1.mlp.up_proj.weight'.*region 'model.layers.1'"):
+    with pytest.raises(
+        CheckpointError, match=r"parameter 'model.layers.1.mlp.up_proj.weight'.*region 'model.layers.1'"
+    ):
         out.backward()
 
 
@@ -128,9 +130,20 @@ def test_disable_and_unwrap_put_back_every_flag_function_hook_and_attribute():
     unchanged, a plain forward, and transformers' own switch giving torch's checkpoint."""
 
     def state(model):
-        return ([(n, sorted(m.__dict__), m.__dict__.get("gradient_checkpointing"),
-                  m.__dict__.get("_gradient_checkpointing_func"), len(m._forward_hooks), len(m._forward_pre_hooks))
-                 for n, m in model.named_modules()], list(model.state_dict()))
+        return (
+            [
+                (
+                    n,
+                    sorted(m.__dict__),
+                    m.__dict__.get("gradient_checkpointing"),
+                    m.__dict__.get("_gradient_checkpointing_func"),
+                    len(m._forward_hooks),
+                    len(m._forward_pre_hooks),
+                )
+                for n, m in model.named_modules()
+            ],
+            list(model.state_dict()),
+        )
 
     for before_enable in ("fresh", "torch checkpoint on"):
         model, inputs = build("llama"), batch()
@@ -155,11 +168,20 @@ def test_disable_and_unwrap_put_back_every_flag_function_hook_and_attribute():
         hf.disable(model)
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"activation_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant=True"),
-    ({"activation_checkpointing_kwargs": {"context_fn": lambda: None}}, "policy=tracedac.policies.save_ops"),
-    ({"activation_checkpointing_kwargs": {"use_reentrant": False, "prserve_rng_state": True}}, "prserve_rng_state"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"activation_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant=True"),
+        (
+            {"activation_checkpointing_kwargs": {"context_fn": lambda: None}},
+            "policy=tracedac.policies.save_ops",
+        ),
+        (
+            {"activation_checkpointing_kwargs": {"use_reentrant": False, "prserve_rng_state": True}},
+            "prserve_rng_state",
+        ),
+    ],
+)
 def test_options_tracedac_would_not_honour_are_refused_and_point_to_the_documented_way(options, match):
     """Each refusal names ``enable``/``disable``, never ``gradient_checkpointing_enable``,
     which would silently put torch's checkpoint back; and the refused call changes nothing."""
@@ -224,10 +246,22 @@ def test_trainer_with_gradient_checkpointing_trains_with_tracedac_running_each_l
         if enable:
             hf.enable(model, policy=recording)
         args = TrainingArguments(
-            output_dir=str(tmp_path / "out"), activation_checkpointing=enable,
-            activation_checkpointing_kwargs={"use_reentrant": False}, max_steps=3, per_device_train_batch_size=2,
-            learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", report_to="none", save_strategy="no",
-            logging_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, dataloader_drop_last=True)
+            output_dir=str(tmp_path / "out"),
+            activation_checkpointing=enable,
+            activation_checkpointing_kwargs={"use_reentrant": False},
+            max_steps=3,
+            per_device_train_batch_size=2,
+            learning_rate=0.1,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+            dataloader_drop_last=True,
+        )
         data = [{k: v[0] for k, v in batch(1, 16, seed=s).items()} for s in range(6)]
         Trainer(model=model, args=args, train_dataset=data).train()
         return model, counts, paths
@@ -250,8 +284,10 @@ def test_a_lora_model_trains_its_adapters_as_without_checkpointing_holding_no_mo
     that autograd would not save."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                      target_modules=["q_proj", "v_proj", "up_proj"]))
+    model = get_peft_model(
+        build("llama"),
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"]),
+    )
     inputs = batch(4, 64)
     # The allocator also counts what tracedac's recorded graphs hold in glibc until backward
     # (Python lists and dicts over 512 bytes: 0.3 to 4.5 KiB over torch's here, depending on
@@ -267,7 +303,10 @@ def test_a_lora_model_trains_its_adapters_as_without_checkpointing_holding_no_mo
     hf.enable(model)
     with reporting() as regions:
         loss(model, inputs)
-    assert [r.graph.name for r in regions] == ["base_model.model.model.layers.0", "base_model.model.model.layers.1"]
+    assert [r.graph.name for r in regions] == [
+        "base_model.model.model.layers.0",
+        "base_model.model.model.layers.1",
+    ]
     assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), plain, strict=True))
     held = held_after_forward(model, inputs)
     assert held <= torch_held + SLACK, (held, torch_held)

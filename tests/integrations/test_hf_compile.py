@@ -15,8 +15,8 @@ from tracedac import policies
 from tracedac.compile.report import partition
 from tracedac.integrations import hf
 
-from ..test_compile import fresh_dynamo  # noqa: F401  (autouse: dynamo reset around each test)
 from ..support.hf_models import batch, build, loss
+from ..test_compile import fresh_dynamo  # noqa: F401  (autouse: dynamo reset around each test)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -24,7 +24,10 @@ BACKEND = "aot_eager_decomp_partition"
 
 
 def inputs():
-    return {**batch(2, 16), "use_cache": False}  # a KV cache asked for in training is transformers' warning: a graph break
+    return {
+        **batch(2, 16),
+        "use_cache": False,
+    }  # a KV cache asked for in training is transformers' warning: a graph break
 
 
 def compiled_grads(model):
@@ -56,8 +59,13 @@ def reference(kind):
 
 
 # Every policy kind on the dense model; the planner's path (the most the pass does) on the MoEs.
-CASES = [("llama", policies.recompute_all()), ("llama", policies.save_matmuls()), ("llama", policies.memory_budget(0.5)),
-         ("mixtral", policies.memory_budget(0.5)), ("qwen2_moe", policies.memory_budget(0.5))]
+CASES = [
+    ("llama", policies.recompute_all()),
+    ("llama", policies.save_matmuls()),
+    ("llama", policies.memory_budget(0.5)),
+    ("mixtral", policies.memory_budget(0.5)),
+    ("qwen2_moe", policies.memory_budget(0.5)),
+]
 
 
 @pytest.mark.parametrize(("kind", "policy"), CASES, ids=[f"{k}-{p!r}" for k, p in CASES])
@@ -79,11 +87,15 @@ def test_each_policy_saves_what_it_says_against_torchs_checkpoint_compiled(kind)
     reference = build(kind)
     reference.activation_checkpointing_enable()
     torch_bytes, torch_ids = saved(reference)
-    got = {repr(p): saved(hf.enable(build(kind), p)) for p in
-           (policies.recompute_all(), policies.save_matmuls(), policies.memory_budget(0.5))}
+    got = {
+        repr(p): saved(hf.enable(build(kind), p))
+        for p in (policies.recompute_all(), policies.save_matmuls(), policies.memory_budget(0.5))
+    }
     assert none_ids == set() and len(torch_ids) == 2  # two decoder layers
     assert got["recompute_all()"][0] <= torch_bytes
-    assert all(len(ids) == 2 for _, ids in got.values())  # one per layer call (the numbers count on across compiles)
+    assert all(
+        len(ids) == 2 for _, ids in got.values()
+    )  # one per layer call (the numbers count on across compiles)
     assert got["recompute_all()"][0] < got["save_matmuls()"][0] <= none
     # The layers' own share: what no checkpointing saves beyond what recompute_all leaves
     # (the embedding, final norm and head, and each layer's input, saved by either).

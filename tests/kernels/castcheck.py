@@ -2,7 +2,7 @@
 
 import torch
 
-from tracedac.kernels.bits import FORMATS, from_bits, nan_rule, convert_bits, to_bits
+from tracedac.kernels.bits import FORMATS, convert_bits, from_bits, nan_rule, to_bits
 
 CPU = torch.device("cpu")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -10,19 +10,64 @@ LOW = (torch.bfloat16, torch.float16)
 
 # fp32 values that cast badly when a cast is done wrong.
 ADVERSARIAL_F32 = [
-    0x00000000, 0x80000000,  # +-0
-    0x7F800000, 0xFF800000,  # +-inf
-    0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FC12345,  # NaNs
-    0x00000001, 0x80000001, 0x007FFFFF, 0x00400000, 0x00008000, 0x00018000,  # fp32 subnormals
-    0x00800000, 0x00800001,  # smallest normal
-    0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7F8001,  # bf16: overflow and ties near max
-    0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001,  # bf16 ties: to even down, to even up, near ties
-    0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0x47800000, 0xC77FF000,  # fp16: 65504 .. 65536
-    0x3F801000, 0x3F803000, 0x3F800FFF, 0x3F801001,  # fp16 ties at 1.0
-    0x38800000, 0x387FE000, 0x387FF000, 0x387FFFFF,  # fp16: smallest normal and just below
-    0x33800000, 0x33000000, 0x33000001, 0x32FFFFFF, 0x33C00000, 0x33A00000,  # fp16: 2**-24, 2**-25 ties
-    0x34400000, 0x34200000, 0x34600000, 0x35100000, 0xB3000001,  # fp16 subnormal ties, odd and even
-    0x3F800000, 0xBF800000, 0x40490FDB, 0x3DCCCCCD,  # ordinary values
+    0x00000000,
+    0x80000000,  # +-0
+    0x7F800000,
+    0xFF800000,  # +-inf
+    0x7FC00000,
+    0xFFC00000,
+    0x7F800001,
+    0xFF800001,
+    0x7FA00000,
+    0x7FFFFFFF,
+    0xFFFFFFFF,
+    0x7FC12345,  # NaNs
+    0x00000001,
+    0x80000001,
+    0x007FFFFF,
+    0x00400000,
+    0x00008000,
+    0x00018000,  # fp32 subnormals
+    0x00800000,
+    0x00800001,  # smallest normal
+    0x7F7FFFFF,
+    0xFF7FFFFF,
+    0x7F7F7FFF,
+    0x7F7F8000,
+    0x7F7F8001,  # bf16: overflow and ties near max
+    0x3F808000,
+    0x3F818000,
+    0x3F807FFF,
+    0x3F808001,  # bf16 ties: to even down, to even up, near ties
+    0x477FE000,
+    0x477FEFFF,
+    0x477FF000,
+    0x477FF001,
+    0x47800000,
+    0xC77FF000,  # fp16: 65504 .. 65536
+    0x3F801000,
+    0x3F803000,
+    0x3F800FFF,
+    0x3F801001,  # fp16 ties at 1.0
+    0x38800000,
+    0x387FE000,
+    0x387FF000,
+    0x387FFFFF,  # fp16: smallest normal and just below
+    0x33800000,
+    0x33000000,
+    0x33000001,
+    0x32FFFFFF,
+    0x33C00000,
+    0x33A00000,  # fp16: 2**-24, 2**-25 ties
+    0x34400000,
+    0x34200000,
+    0x34600000,
+    0x35100000,
+    0xB3000001,  # fp16 subnormal ties, odd and even
+    0x3F800000,
+    0xBF800000,
+    0x40490FDB,
+    0x3DCCCCCD,  # ordinary values
 ]
 
 

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tracedac.kernels import accumulate_
 from tracedac.kernels.bits import from_bits, to_bits

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tracedac.kernels.bits import FORMATS, NanRule, convert_bits, from_bits, nan_rule, to_bits
 
@@ -42,7 +43,9 @@ def test_random_fp32_patterns_round_like_torch(patterns):
     x = from_bits(bits, torch.float32)
     for dst_dtype in LOW:
         want = to_bits(x.to(dst_dtype))
-        assert torch.equal(convert_bits(bits, torch.float32, dst_dtype, nan_rule(CPU, torch.float32, dst_dtype)), want)
+        assert torch.equal(
+            convert_bits(bits, torch.float32, dst_dtype, nan_rule(CPU, torch.float32, dst_dtype)), want
+        )
 
 
 @pytest.mark.parametrize("src_dtype", FLOATS, ids=str)

@@ -26,7 +26,11 @@ def test_mismatched_sizes_say_both_counts_and_how_to_slice():
 @pytest.mark.parametrize(
     "srcs, dst, message",
     [
-        ([torch.ones(2, dtype=torch.float64)], torch.empty(2), r"srcs\[0\] is torch.float64.*srcs\[0\].float\(\)"),
+        (
+            [torch.ones(2, dtype=torch.float64)],
+            torch.empty(2),
+            r"srcs\[0\] is torch.float64.*srcs\[0\].float\(\)",
+        ),
         ([torch.ones(2)], torch.empty(2, dtype=torch.int32), r"dst is torch.int32"),
         ([torch.ones(2)], torch.empty(2, dtype=torch.float64), r"dst is torch.float64"),
     ],

@@ -57,8 +57,14 @@ def test_strided_mixed_and_many_sources_match_torch_cuda_casts():
     """Strided reads (div/mod on the GPU), all three source dtypes and 300 sources in one launch."""
     gen = torch.Generator().manual_seed(1)
     base = torch.randn(6, 7, 8, generator=gen).to(CUDA)
-    srcs = [base.transpose(0, 2), base[:, ::2, 1:7:3], torch.randn(3, 4, 5, 2, 3).to(CUDA).permute(4, 2, 0, 3, 1)]
-    srcs += [torch.randn(int(n) + 1, generator=gen).to(CUDA).to(dt) for n, dt in zip(range(300), FLOATS * 100)]
+    srcs = [
+        base.transpose(0, 2),
+        base[:, ::2, 1:7:3],
+        torch.randn(3, 4, 5, 2, 3).to(CUDA).permute(4, 2, 0, 3, 1),
+    ]
+    srcs += [
+        torch.randn(int(n) + 1, generator=gen).to(CUDA).to(dt) for n, dt in zip(range(300), FLOATS * 100)
+    ]
     for dtype in FLOATS:
         pack_and_check(srcs, dtype)
 

@@ -24,7 +24,9 @@ def test_a_traced_graph_shows_each_call_as_one_node(tracing_mode):
 
     shards = [torch.randn(4, 3), torch.randn(12)]
     bucket = torch.zeros(64, dtype=torch.bfloat16)
-    graph = make_fx(step, tracing_mode=tracing_mode)(shards, bucket, torch.zeros(8), torch.ones(8, dtype=torch.bfloat16))
+    graph = make_fx(step, tracing_mode=tracing_mode)(
+        shards, bucket, torch.zeros(8), torch.ones(8, dtype=torch.bfloat16)
+    )
     calls = [t for t in ops_in(graph) if t not in (torch.ops.aten.slice.Tensor,)]
     assert calls == [torch.ops.tracedac.pack_cast.default, torch.ops.tracedac.accumulate_.default]
 
@@ -33,16 +35,25 @@ def test_opcheck_passes_for_both_ops_on_the_torch_backend():
     """Schema (declared mutation of dst only), fake kernel and autograd registration agree
     with what the ops really do."""
     srcs = [torch.randn(3, 5), torch.randn(7).to(torch.float16), torch.randn(4, 2).t()]
-    torch.library.opcheck(torch.ops.tracedac.pack_cast.default, (srcs, torch.empty(30, dtype=torch.bfloat16), "torch"))
-    torch.library.opcheck(torch.ops.tracedac.accumulate_.default, (torch.zeros(6), torch.ones(6, dtype=torch.bfloat16), "torch"))
+    torch.library.opcheck(
+        torch.ops.tracedac.pack_cast.default, (srcs, torch.empty(30, dtype=torch.bfloat16), "torch")
+    )
+    torch.library.opcheck(
+        torch.ops.tracedac.accumulate_.default, (torch.zeros(6), torch.ones(6, dtype=torch.bfloat16), "torch")
+    )
 
 
 def test_opcheck_passes_for_both_ops_on_the_triton_backend(interpreter):
     """The Triton path mutates only dst, too (it writes through raw pointers, so a stray
     write outside dst would show here as a mutated source)."""
     srcs = [torch.randn(3, 5), torch.randn(7).to(torch.float16), torch.randn(4, 2).t()]
-    torch.library.opcheck(torch.ops.tracedac.pack_cast.default, (srcs, torch.empty(30, dtype=torch.bfloat16), "triton"))
-    torch.library.opcheck(torch.ops.tracedac.accumulate_.default, (torch.zeros(6), torch.ones(6, dtype=torch.bfloat16), "triton"))
+    torch.library.opcheck(
+        torch.ops.tracedac.pack_cast.default, (srcs, torch.empty(30, dtype=torch.bfloat16), "triton")
+    )
+    torch.library.opcheck(
+        torch.ops.tracedac.accumulate_.default,
+        (torch.zeros(6), torch.ones(6, dtype=torch.bfloat16), "triton"),
+    )
 
 
 class _RecordOps(TorchDispatchMode):

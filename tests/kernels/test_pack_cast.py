@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from tracedac.kernels import pack_cast
 from tracedac.kernels import launch as launch_module
+from tracedac.kernels import pack_cast
 from tracedac.kernels.bits import from_bits
 from tracedac.kernels.table import plan_for
 

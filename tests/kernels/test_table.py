@@ -26,8 +26,16 @@ def _offsets(size, stride) -> list:
 
 def test_collapsed_dims_address_the_same_elements_in_the_same_order():
     x = torch.empty(3, 4, 5, 6)
-    views = [x, x[:, 1:3], x[..., ::2], x.transpose(1, 3), x[1:, :, 2:4, 1:].permute(2, 0, 3, 1),
-             x.expand(2, 3, 4, 5, 6), x[:, :, 0:1], torch.empty(5, 7).t()[::2]]
+    views = [
+        x,
+        x[:, 1:3],
+        x[..., ::2],
+        x.transpose(1, 3),
+        x[1:, :, 2:4, 1:].permute(2, 0, 3, 1),
+        x.expand(2, 3, 4, 5, 6),
+        x[:, :, 0:1],
+        torch.empty(5, 7).t()[::2],
+    ]
     for v in views:
         dims = collapse_dims(v.shape, v.stride())
         assert len(dims) <= MAX_DIMS  # ordinary views stay within what the kernel takes

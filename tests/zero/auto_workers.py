@@ -57,8 +57,14 @@ def eager(rank, world):
     x, _ = w.rank_batch(0, rank, world)
     with torch.no_grad():
         eval_diff = (auto(x) - plain(x)).abs().max().item()
-    return dict(first=first, decided=_dtypes(auto), losses=(losses, want_losses), wire=(wire, want_wire),
-                params=params, eval_diff=eval_diff)
+    return dict(
+        first=first,
+        decided=_dtypes(auto),
+        losses=(losses, want_losses),
+        wire=(wire, want_wire),
+        params=params,
+        eval_diff=eval_diff,
+    )
 
 
 class Divergent(nn.Module):
@@ -118,8 +124,12 @@ def tied(rank, world):
     with torch.autocast("cpu", torch.bfloat16):
         torch.compile(m, fullgraph=True, backend=g.backend)(idx).sum().backward()
     names = {grp.key: grp.name for grp in m._tracedac_zero.all_groups}
-    out["compiled"] = {names[n.args[1]]: str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else None))
-                       for gm in g.forward for n in gm.graph.nodes if n.target in (GATHER, START)}
+    out["compiled"] = {
+        names[n.args[1]]: str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else None))
+        for gm in g.forward
+        for n in gm.graph.nodes
+        if n.target in (GATHER, START)
+    }
     torch._dynamo.reset()
     return out
 
@@ -134,8 +144,10 @@ def nested(rank, world):
             zero.shard(b, mixed_precision=zero.MixedPrecision("auto") if inner else None)
         zero.shard(m, mixed_precision=zero.MixedPrecision("auto") if outer else None)
         _train(m, rank, world)
-        out[(inner, outer)] = {(g.name.split("(")[1].rstrip(")"), str(g.dtype).removeprefix("torch."))
-                               for g in m._tracedac_zero.all_groups}
+        out[(inner, outer)] = {
+            (g.name.split("(")[1].rstrip(")"), str(g.dtype).removeprefix("torch."))
+            for g in m._tracedac_zero.all_groups
+        }
     return out
 
 

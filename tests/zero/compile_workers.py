@@ -60,7 +60,7 @@ def batch(step, rank, world, rows=None, d=w.D):
     per = rows or w.BATCH // world
     g = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(per * world, d, generator=g), torch.randn(per * world, generator=g)
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
 def train(m, call, rank, world, rows=(None, None, None)):
@@ -87,8 +87,11 @@ def equal_to_eager(rank, world, cases, backend=BACKEND):
         ref_losses, ref_sd = train(eager, eager, rank, world, rows)
         m = build(where)
         losses, sd = train(m, compiled(m, how, backend, dynamic), rank, world, rows)
-        out[(where, how, dynamic)] = (max(abs(a - b) for a, b in zip(losses, ref_losses)), w.max_diff(sd, ref_sd),
-                                      len(zgathered._LIVE))
+        out[(where, how, dynamic)] = (
+            max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            w.max_diff(sd, ref_sd),
+            len(zgathered._LIVE),
+        )
     _fresh()
     return out
 
@@ -108,18 +111,24 @@ class Graphs:
             def compiler(gm, example_inputs):
                 into.append(gm)
                 return torch._functorch.aot_autograd.make_boxed_func(gm.forward)
+
             return compiler
 
-        self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward),
-                                    partition_fn=min_cut_rematerialization_partition,
-                                    decompositions=select_decomp_table())
+        self.backend = aot_autograd(
+            fw_compiler=keep(self.forward),
+            bw_compiler=keep(self.backward),
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table(),
+        )
 
 
 def _count(gms, op) -> int:
     n = 0
     for gm in gms:
         for node in gm.graph.nodes:
-            if node.target is op or (node.op == "call_function" and len(node.args) > 1 and node.args[1] is op):
+            if node.target is op or (
+                node.op == "call_function" and len(node.args) > 1 and node.args[1] is op
+            ):
                 n += 1  # op itself, or with_effects(token, op, ...)
     return n
 
@@ -128,7 +137,10 @@ def _saved_gathered(gm) -> list:
     """Forward outputs (what backward is handed) computed from gathered parameters alone."""
     gathered = set()
     for n in gm.graph.nodes:
-        if n.op == "call_function" and (n.target in (GATHER, START) or (n.all_input_nodes and all(a in gathered for a in n.all_input_nodes))):
+        if n.op == "call_function" and (
+            n.target in (GATHER, START)
+            or (n.all_input_nodes and all(a in gathered for a in n.all_input_nodes))
+        ):
             gathered.add(n)
     return [n.name for n in gm.graph.output_node().args[0] if n in gathered]
 
@@ -145,12 +157,16 @@ def graphs(rank, world):
         x, y = batch(0, rank, world)
         F.mse_loss(call(x), y).backward()
         out[(where, how)] = dict(  # a gather is one op, or a start and a wait (gather_prefetch)
-            fw_gathers=_count(g.forward, GATHER) + _count(g.forward, WAIT), fw_releases=_count(g.forward, RELEASE),
-            bw_gathers=_count(g.backward, GATHER) + _count(g.backward, WAIT), bw_reduces=_count(g.backward, REDUCE),
+            fw_gathers=_count(g.forward, GATHER) + _count(g.forward, WAIT),
+            fw_releases=_count(g.forward, RELEASE),
+            bw_gathers=_count(g.backward, GATHER) + _count(g.backward, WAIT),
+            bw_reduces=_count(g.backward, REDUCE),
             saved_gathered=[s for gm in g.forward for s in _saved_gathered(gm)],
             bw_slice_scatters=_count(g.backward, torch.ops.aten.slice_scatter.default)
             + _count(g.backward, torch.ops.aten.slice_backward.default),
-            trainable_groups=sum(1 for u in m._tracedac_zero.all_units for grp in u.groups if grp.requires_grad),
+            trainable_groups=sum(
+                1 for u in m._tracedac_zero.all_units for grp in u.groups if grp.requires_grad
+            ),
             groups=sum(len(u.groups) for u in m._tracedac_zero.all_units),
             keys=len({grp.key for u in m._tracedac_zero.all_units for grp in u.groups}),
         )
@@ -210,7 +226,9 @@ def several(rank, world, parts):
 def inductor(rank, world):
     """Compiled by inductor itself (its C++ compile is the slow part): per block, and whole
     (each gather a start and a wait, the next unit's start moved ahead: gather_prefetch)."""
-    return equal_to_eager(rank, world, [("plain", "per-block", None), ("plain", "whole", None)], backend="inductor")
+    return equal_to_eager(
+        rank, world, [("plain", "per-block", None), ("plain", "whole", None)], backend="inductor"
+    )
 
 
 class LinearBlock(torch.nn.Module):
@@ -278,13 +296,26 @@ def fused_cast(rank, world):
             gather_cast.fuse_gather_casts = saved
 
         def dtypes(gms):
-            return sorted(str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else "none"))
-                          for gm in gms for n in gm.graph.nodes if n.target in (GATHER, START))
+            return sorted(
+                str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else "none"))
+                for gm in gms
+                for n in gm.graph.nodes
+                if n.target in (GATHER, START)
+            )
 
-        out[fuse] = dict(losses=losses, sd=sd, wire=wire, forward=dtypes(g.forward), backward=dtypes(g.backward),
-                         casts_of_gathers=sum(1 for gm in g.forward for n in gm.graph.nodes
-                                              if n.target is torch.ops.prims.convert_element_type.default
-                                              and _from_gather(n)))
+        out[fuse] = dict(
+            losses=losses,
+            sd=sd,
+            wire=wire,
+            forward=dtypes(g.forward),
+            backward=dtypes(g.backward),
+            casts_of_gathers=sum(
+                1
+                for gm in g.forward
+                for n in gm.graph.nodes
+                if n.target is torch.ops.prims.convert_element_type.default and _from_gather(n)
+            ),
+        )
     _fresh()
     torch.manual_seed(0)
     m = zero.shard(LinearModel(), mixed_precision=bf16)
@@ -303,9 +334,13 @@ def _from_gather(node) -> bool:
         node = node.all_input_nodes[0]
         if node.target in (GATHER, WAIT):
             return True
-        if node.target not in (torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
-                               torch.ops.aten.split_with_sizes.default, operator.getitem,
-                               torch.ops.prims.convert_element_type.default):
+        if node.target not in (
+            torch.ops.aten.slice.Tensor,
+            torch.ops.aten.view.default,
+            torch.ops.aten.split_with_sizes.default,
+            operator.getitem,
+            torch.ops.prims.convert_element_type.default,
+        ):
             return False
     return False
 
@@ -319,11 +354,20 @@ def auto_compiled(rank, world):
         _fresh()
         m = zero.shard(w.model(), mixed_precision=mp)
         g = Graphs()
-        losses, _, wire = _autocast_training(torch.compile(m, fullgraph=True, backend=g.backend), m, rank, world)
+        losses, _, wire = _autocast_training(
+            torch.compile(m, fullgraph=True, backend=g.backend), m, rank, world
+        )
         names = {grp.key: grp.name for grp in m._tracedac_zero.all_groups}
-        out[name] = dict(losses=losses, wire=wire, gathers=sorted(
-            (names[n.args[1]], str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else None)))
-            for gm in g.forward for n in gm.graph.nodes if n.target in (GATHER, START)))
+        out[name] = dict(
+            losses=losses,
+            wire=wire,
+            gathers=sorted(
+                (names[n.args[1]], str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else None)))
+                for gm in g.forward
+                for n in gm.graph.nodes
+                if n.target in (GATHER, START)
+            ),
+        )
     _fresh()
     return out
 
@@ -350,7 +394,14 @@ def prefetch_order(rank, world):
         elif n.target is GATHER:
             seq.append(("gather", n.args[1]))
         elif any(a.target is WAIT for a in n.all_input_nodes if a.op == "call_function"):
-            seq.append(("reads", next(a.args[1] for a in n.all_input_nodes if a.op == "call_function" and a.target is WAIT)))
+            seq.append(
+                (
+                    "reads",
+                    next(
+                        a.args[1] for a in n.all_input_nodes if a.op == "call_function" and a.target is WAIT
+                    ),
+                )
+            )
         else:
             seq.append(("other", None))
     out["seq"] = seq
@@ -370,8 +421,14 @@ def odd_sizes(rank, world):
     for compiled in (False, True):
         _fresh()
         torch.manual_seed(0)
-        m = zero.shard(torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5),
-                                           torch.nn.Linear(5, 3, bias=False), torch.nn.Linear(3, 1)))
+        m = zero.shard(
+            torch.nn.Sequential(
+                torch.nn.Linear(7, 5),
+                torch.nn.LayerNorm(5),
+                torch.nn.Linear(5, 3, bias=False),
+                torch.nn.Linear(3, 1),
+            )
+        )
         call = torch.compile(m, fullgraph=True, backend=BACKEND) if compiled else m
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         losses = []
@@ -386,5 +443,7 @@ def odd_sizes(rank, world):
         out[compiled] = losses, {k: v.full_tensor().clone() for k, v in m.state_dict().items()}
     _fresh()
     (eager_losses, eager), (losses, params) = out[False], out[True]
-    return (max(abs(a - b) for a, b in zip(eager_losses, losses)),
-            max((eager[k] - params[k]).abs().max().item() for k in eager))
+    return (
+        max(abs(a - b) for a, b in zip(eager_losses, losses)),
+        max((eager[k] - params[k]).abs().max().item() for k in eager),
+    )

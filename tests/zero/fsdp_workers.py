@@ -29,7 +29,9 @@ def global_loss(loss: torch.Tensor, world: int) -> float:
 def param_groups(m: nn.Module, lr=1e-2) -> list[dict]:
     """Weight decay on matrices, none on biases and norms: chosen by name, as people do."""
     decay = [p for n, p in m.named_parameters() if p.requires_grad and p.dim() >= 2]
-    rest = [p for n, p in m.named_parameters() if p.requires_grad and p.dim() < 2 and not n.endswith("frozen")]
+    rest = [
+        p for n, p in m.named_parameters() if p.requires_grad and p.dim() < 2 and not n.endswith("frozen")
+    ]
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": lr / 2}]
 
 
@@ -57,7 +59,11 @@ def run(m, rank, world, steps=3, clip=None, micro=1, sync=None):
 
 
 def full(m) -> dict:
-    return zero.full_state_dict(m) if hasattr(m, "_tracedac_zero") else {k: v.clone() for k, v in m.state_dict().items()}
+    return (
+        zero.full_state_dict(m)
+        if hasattr(m, "_tracedac_zero")
+        else {k: v.clone() for k, v in m.state_dict().items()}
+    )
 
 
 def nesting(rank, world):
@@ -79,8 +85,14 @@ def nesting(rank, world):
         zero.shard(m.blocks[0])
     except zero.ZeroError as e:
         twice = str(e)
-    return dict(losses=losses, ref=ref_losses, diff=w.max_diff(after, full(ref)), unchanged=unchanged,
-                trainable=len(trainable), twice=twice)
+    return dict(
+        losses=losses,
+        ref=ref_losses,
+        diff=w.max_diff(after, full(ref)),
+        unchanged=unchanged,
+        trainable=len(trainable),
+        twice=twice,
+    )
 
 
 def outside(rank, world):
@@ -127,7 +139,10 @@ class AliveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (list, tuple)) else [out]:
             if isinstance(t, torch.Tensor) and not t._is_view() and t.device.type != "meta":
-                self.refs[t.untyped_storage().data_ptr()] = (torch.utils.weak.WeakRef(t), t.untyped_storage().nbytes())
+                self.refs[t.untyped_storage().data_ptr()] = (
+                    torch.utils.weak.WeakRef(t),
+                    t.untyped_storage().nbytes(),
+                )
         return out
 
     def alive(self) -> int:
@@ -173,8 +188,12 @@ def torch_checkpoint(rank, world):
             grads = w.full_grads(m) if sharded else w.flat_grads(m)
             results.append(dict(held=held, grads=grads, forward=forward, backward=backward))
         ref, sh = results
-        out[where] = dict(grad_diff=(ref["grads"] - sh["grads"]).abs().max().item(), held=sh["held"],
-                          forward=sh["forward"], backward=sh["backward"])
+        out[where] = dict(
+            grad_diff=(ref["grads"] - sh["grads"]).abs().max().item(),
+            held=sh["held"],
+            forward=sh["forward"],
+            backward=sh["backward"],
+        )
     return out
 
 
@@ -197,8 +216,13 @@ def no_sync(rank, world):
         run(zero.shard(w.model()), rank, world, micro=2)
     finally:
         zgroup._reduce_scatter = real
-    return dict(losses=losses, ref=ref_losses, reduce_scatters=without, reduce_scatters_always=len(calls) - without,
-                diff=w.max_diff(full(m), full_ref(micro=2)))
+    return dict(
+        losses=losses,
+        ref=ref_losses,
+        reduce_scatters=without,
+        reduce_scatters_always=len(calls) - without,
+        diff=w.max_diff(full(m), full_ref(micro=2)),
+    )
 
 
 def full_ref(**kw):
@@ -225,15 +249,21 @@ def meta_init(rank, world):
         if how == "full":
             zero.load_full_state_dict(m, ref_sd)
         elif how == "broadcast":
-            set_model_state_dict(m, ref_sd if rank == 0 else {},
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            set_model_state_dict(
+                m,
+                ref_sd if rank == 0 else {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
         else:
             for mod in m.modules():
                 if hasattr(mod, "reset_parameters"):
                     mod.reset_parameters()
             sd = zero.full_state_dict(m)
-            out[how] = dict(on_meta=on_meta, finite=all(bool(v.isfinite().all()) for v in sd.values()),
-                            weight_std=sd["blocks.0.lin1.weight"].std().item())
+            out[how] = dict(
+                on_meta=on_meta,
+                finite=all(bool(v.isfinite().all()) for v in sd.values()),
+                weight_std=sd["blocks.0.lin1.weight"].std().item(),
+            )
             continue
         out[how] = dict(on_meta=on_meta, losses=run(m, rank, world), ref=ref_losses)
     return out
@@ -244,7 +274,12 @@ def dtype_change(rank, world):
     m = zero.shard(w.model())
     before = full(m)
     errors = []
-    for call in (lambda: m.to(torch.bfloat16), lambda: m.half(), lambda: m.double(), lambda: m.blocks[0].half()):
+    for call in (
+        lambda: m.to(torch.bfloat16),
+        lambda: m.half(),
+        lambda: m.double(),
+        lambda: m.blocks[0].half(),
+    ):
         try:
             call()
             errors.append(None)
@@ -266,9 +301,16 @@ def llama(rank, world):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         attn_implementation="eager")
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     ref = LlamaForCausalLM(config)
     sd = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -278,8 +320,9 @@ def llama(rank, world):
         zero.shard(layer)
     zero.shard(m)
     m.to_empty(device="cpu")
-    set_model_state_dict(m, sd if rank == 0 else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        m, sd if rank == 0 else {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     with torch.no_grad():  # non-persistent buffers (rotary inv_freq) are in no state dict: initialize
         for name, buf in ref.named_buffers():
             m.get_buffer(name).copy_(buf)
@@ -288,8 +331,10 @@ def llama(rank, world):
     def train(model, rows):
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
         rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0,
-                                                                            "lr": 5e-3}], lr=1e-2)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 5e-3}],
+            lr=1e-2,
+        )
         losses = []
         for step in range(3):
             ids = tokens[step, rows]
@@ -301,5 +346,8 @@ def llama(rank, world):
         return losses
 
     per = 4 // world
-    return dict(losses=train(m, slice(rank * per, (rank + 1) * per)), ref=train(ref, slice(0, 4)),
-                names=[n for n, _ in m.named_parameters()] == [n for n, _ in ref.named_parameters()])
+    return dict(
+        losses=train(m, slice(rank * per, (rank + 1) * per)),
+        ref=train(ref, slice(0, 4)),
+        names=[n for n, _ in m.named_parameters()] == [n for n, _ in ref.named_parameters()],
+    )

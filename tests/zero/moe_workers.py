@@ -80,13 +80,15 @@ def _train(model, call, rank, world, reduce):
     out = []
     for step in range(STEPS):
         x, y = _batch(step)
-        loss = F.mse_loss(call(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        loss = F.mse_loss(call(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
         loss.backward()
         opt.step()
         opt.zero_grad()
         counts = [reduce(b.tokens_per_expert.clone()) for b in model.blocks]
         _update_bias(model, reduce)
-        out.append((reduce(loss.detach()).item() / world, counts, [b.expert_bias.clone() for b in model.blocks]))
+        out.append(
+            (reduce(loss.detach()).item() / world, counts, [b.expert_bias.clone() for b in model.blocks])
+        )
     return out
 
 
@@ -110,8 +112,11 @@ def llama4_case(rank, world, backend="aot_eager_decomp_partition"):
     seen: set = set()
 
     def keep_ops(gm, example_inputs):  # the graphs dynamo hands the backend: their tracedac ops
-        seen.update(str(n.target).removesuffix(".default") for n in gm.graph.nodes
-                    if str(n.target).startswith("tracedac."))
+        seen.update(
+            str(n.target).removesuffix(".default")
+            for n in gm.graph.nodes
+            if str(n.target).startswith("tracedac.")
+        )
         return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
 
     for b in model.blocks:

@@ -87,7 +87,9 @@ def resume(rank, world, tmp):
                 steps(m, opt, rank, n, groups[n], 0)
                 zero.save_checkpoint(os.path.join(tmp, f"{n}-{kind}"), m, opt)
                 # copied: on one rank the "full" tensors are the shards themselves, trained on below
-                full_model, full_optim = copy.deepcopy(get_state_dict(m, opt, options=StateDictOptions(full_state_dict=True)))
+                full_model, full_optim = copy.deepcopy(
+                    get_state_dict(m, opt, options=StateDictOptions(full_state_dict=True))
+                )
                 uninterrupted[(n, kind)] = steps(m, opt, rank, n, groups[n], 2)
                 if rank == 0:  # zero's full state dict, optimizer included, into a plain model
                     p = w.model(seed=5)

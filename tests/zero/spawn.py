@@ -25,8 +25,13 @@ def _entry(rank, fn, world, tmp, args):
     torch.set_num_threads(1)
     out = os.path.join(tmp, f"result{rank}.pkl")
     try:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{tmp}/init",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
         result = ("ok", fn(rank, world, *args))
     except BaseException:
         result = ("error", traceback.format_exc())
@@ -39,7 +44,9 @@ def _entry(rank, fn, world, tmp, args):
 
 def run_ranks(fn, world: int, *args, timeout: float = 90.0) -> list:
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_entry, args=(fn, world, tmp, args), nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _entry, args=(fn, world, tmp, args), nprocs=world, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):

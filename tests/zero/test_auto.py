@@ -18,8 +18,12 @@ def test_auto_decides_from_the_first_forward_and_trains_as_the_module_list(world
         assert set(r["first"].values()) == {"float32"}  # nothing decided before a forward
         decided = r["decided"]
         linear = {n: d for n, d in decided.items() if "Linear" in n}
-        assert linear and set(linear.values()) == {"bfloat16"}, decided  # weights and biases: cast by autocast
-        assert {d for n, d in decided.items() if "Linear" not in n} == {"float32"}, decided  # LayerNorm, Block's own
+        assert linear and set(linear.values()) == {"bfloat16"}, (
+            decided
+        )  # weights and biases: cast by autocast
+        assert {d for n, d in decided.items() if "Linear" not in n} == {"float32"}, (
+            decided
+        )  # LayerNorm, Block's own
         losses, want = r["losses"]
         assert losses == want
         assert r["params"] == 0.0
@@ -47,7 +51,9 @@ def test_a_weight_read_both_ways_travels_fp32_eager_and_compiled():
     casts it. Its group (the Embedding's) stays fp32; the Linear's group goes bf16."""
     (r,) = run_ranks(aw.tied, 1, timeout=120)
     for how in ("eager", "compiled"):
-        got = {name.split("(")[1].split(",")[0]: dtype.removeprefix("torch.") for name, dtype in r[how].items()}
+        got = {
+            name.split("(")[1].split(",")[0]: dtype.removeprefix("torch.") for name, dtype in r[how].items()
+        }
         assert got == {"trainable Embedding": "float32", "trainable Linear": "bfloat16"}, (how, r[how])
 
 

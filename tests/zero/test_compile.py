@@ -12,16 +12,28 @@ import torch
 from . import compile_workers as cw
 from .spawn import part, run_ranks
 
-CASES = [("plain", "per-block", None), ("plain", "whole", None), ("wrap-before", "per-block", None),
-         ("wrap-after", "whole", None), ("plain", "whole", True)]
+CASES = [
+    ("plain", "per-block", None),
+    ("plain", "whole", None),
+    ("wrap-before", "per-block", None),
+    ("wrap-after", "whole", None),
+    ("plain", "whole", True),
+]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
 def ranks(request):
     world = request.param
     cases = CASES if world == 1 else CASES[1:4]  # two ranks: the cases with regions and the whole model
-    parts = [("equal_to_eager", (cases,)), ("graphs", ()), ("dead_code", ()), ("memory", ()), ("fused_cast", ()), ("auto_compiled", ()),
-             ("prefetch_order", ())]
+    parts = [
+        ("equal_to_eager", (cases,)),
+        ("graphs", ()),
+        ("dead_code", ()),
+        ("memory", ()),
+        ("fused_cast", ()),
+        ("auto_compiled", ()),
+        ("prefetch_order", ()),
+    ]
     if world == 1:  # inductor's C++ compile is the slow part: one world size
         parts.append(("inductor", ()))
     return world, run_ranks(cw.several, world, parts, timeout=400)
@@ -62,7 +74,10 @@ def test_gathers_and_releases_are_graph_nodes_and_backward_gathers_again(ranks):
             assert g["fw_releases"] == g["groups"] - root, (case, g)
             assert g["keys"] - root <= g["fw_gathers"] <= g["groups"] - root, (case, g)
             assert g["bw_reduces"] == g["trainable_groups"] - root, (case, g)
-            assert g["bw_gathers"] == g["bw_reduces"], (case, g)  # backward gathers each trainable group again
+            assert g["bw_gathers"] == g["bw_reduces"], (
+                case,
+                g,
+            )  # backward gathers each trainable group again
             assert g["saved_gathered"] == [], (case, g)
             # a unit's gradient is one cat of its parameters' (layout.split_views), not a sum
             # of one full-size slice_backward (slice_scatter into zeros) per parameter
@@ -126,7 +141,9 @@ def test_auto_dtype_compiled_gathers_every_linear_group_in_bf16(ranks):
         assert auto["losses"] == plain["losses"]
         linear = [d for name, d in auto["gathers"] if "Linear" in name]
         assert linear and set(linear) == {"torch.bfloat16"}, auto["gathers"]
-        assert {d for name, d in auto["gathers"] if "Linear" not in name} == {"torch.float32"}, auto["gathers"]
+        assert {d for name, d in auto["gathers"] if "Linear" not in name} == {"torch.float32"}, auto[
+            "gathers"
+        ]
         # plainly only the root's group (all Linear) travels bf16
         assert auto["wire"]["float32"] < 0.5 * plain["wire"]["float32"], per_rank
         assert auto["wire"]["bfloat16"] > 2 * auto["wire"]["float32"]  # the Linear weights are most bytes
@@ -155,7 +172,9 @@ def test_the_next_units_all_gather_is_issued_before_this_units_compute(ranks):
             first_read = min(i for i, (kind, k) in enumerate(seq) if kind == "reads" and k in cur)
             last_wait = max(i for i, (kind, k) in enumerate(seq) if kind == "wait" and k in cur)
             for k in nxt:
-                start = max(i for i, (kind, key) in enumerate(seq) if kind == "start" and key == k and i < first_read)
+                start = max(
+                    i for i, (kind, key) in enumerate(seq) if kind == "start" and key == k and i < first_read
+                )
                 assert last_wait < start < first_read, (cur, nxt, seq)
         assert r["losses"] < 1e-5 and r["params"] < 1e-5, r
         assert r["bw_waits"] > 0

@@ -23,7 +23,16 @@ def _part(two_ranks, name):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("dcp"))
-    parts = [("mismatched", ()), ("diverge", ()), ("diverge_after_a_step", ()), ("checks", ()), ("equivalence", (VARIANTS,)), ("memory", ()), ("mixed", ()), ("state_dicts", (tmp,))]
+    parts = [
+        ("mismatched", ()),
+        ("diverge", ()),
+        ("diverge_after_a_step", ()),
+        ("checks", ()),
+        ("equivalence", (VARIANTS,)),
+        ("memory", ()),
+        ("mixed", ()),
+        ("state_dicts", (tmp,)),
+    ]
     results = run_ranks(w.several, 2, parts, timeout=240)
     return results, tmp
 
@@ -109,7 +118,12 @@ def test_a_dcp_checkpoint_saved_by_two_ranks_loads_into_one(two_ranks, world1):
 
 def test_ranks_with_different_models_are_refused_at_shard_time_naming_the_parameter(two_ranks):
     for message in _part(two_ranks, "mismatched"):
-        assert message is not None and "embed.weight" in message and "(16, 16)" in message and "(20, 20)" in message
+        assert (
+            message is not None
+            and "embed.weight" in message
+            and "(16, 16)" in message
+            and "(20, 20)" in message
+        )
 
 
 def test_ranks_that_run_different_units_all_raise_at_once_instead_of_exchanging_wrong_values(two_ranks):
@@ -162,5 +176,7 @@ def test_a_rank_that_dies_makes_the_others_fail_within_the_timeout():
 
 def test_a_rank_that_never_reaches_shard_makes_the_others_fail_within_the_timeout():
     elapsed, message = run_ranks(w.absent_rank, 2, timeout=60)[0]
-    assert message is not None and "shard()" in message and "within 2 s" in message and "Ranks 1" in message, message
+    assert (
+        message is not None and "shard()" in message and "within 2 s" in message and "Ranks 1" in message
+    ), message
     assert elapsed < 2 + 5

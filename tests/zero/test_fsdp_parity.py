@@ -60,7 +60,9 @@ def test_parameters_outside_forward_are_dtensor_shards_and_full_parameters_is_wr
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_torch_checkpoint_inside_and_around_units_gives_the_gradients_and_backward_gathers_again(ranks, world):
+def test_torch_checkpoint_inside_and_around_units_gives_the_gradients_and_backward_gathers_again(
+    ranks, world
+):
     for r in _part(ranks, world, "torch_checkpoint"):
         for where in ("none", "inside", "around", "wrapper-before", "wrapper-after"):
             assert r[where]["grad_diff"] < 1e-5, (where, r)

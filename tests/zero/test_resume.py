@@ -84,8 +84,9 @@ def test_a_checkpoint_of_another_dtype_raises_naming_the_key(world1, tmp_path):
 
     m = zero.shard(w.model())
     sd = {k: v.to(torch.bfloat16) if k == "head.weight" else v for k, v in m.state_dict().items()}
-    sd["head.weight"] = distribute_tensor(m.head.weight.full_tensor().detach().bfloat16(), m.head.weight.device_mesh,
-                                          m.head.weight.placements)
+    sd["head.weight"] = distribute_tensor(
+        m.head.weight.full_tensor().detach().bfloat16(), m.head.weight.device_mesh, m.head.weight.placements
+    )
     dcp.save({"model": sd}, checkpoint_id=tmp_path / "c")
     with pytest.raises(zero.ZeroError, match=r"'model\.head\.weight' is \(1, 16\) torch\.bfloat16"):
         zero.load_checkpoint(tmp_path / "c", m)

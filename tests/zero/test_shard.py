@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import pytest
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -247,7 +247,9 @@ def test_gradients_dropped_or_zeroed_by_the_user_between_backwards_accumulate_as
 def _two_units_sharing_a_bias():
     m = nn.Module()
     m.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
-    m.layers[1].bias = m.layers[0].bias  # held by layers.1 after its own weight: two groups, one use out of order
+    m.layers[1].bias = m.layers[
+        0
+    ].bias  # held by layers.1 after its own weight: two groups, one use out of order
     return m
 
 
@@ -308,7 +310,9 @@ def test_order_check_rows_live_where_the_backend_moves_tensors(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # no GPU here: the choice, not the move
 
     assert collective_device("gloo", torch.device("cpu")) == torch.device("cpu")
-    assert collective_device("nccl", torch.device("cpu")) == torch.device("cuda", 3)  # NCCL moves no CPU tensor
+    assert collective_device("nccl", torch.device("cpu")) == torch.device(
+        "cuda", 3
+    )  # NCCL moves no CPU tensor
     assert collective_device("cpu:gloo,cuda:nccl", torch.device("cpu")) == torch.device("cuda", 3)
 
 

@@ -39,8 +39,11 @@ def _assert_flat(results):
 @pytest.mark.slow
 def test_one_rank_keeps_no_host_memory_per_step_in_any_mode(monkeypatch):
     """Eager, regions or not, fp32 / bf16 / "auto" under autocast, prefetch on and off."""
-    _assert_flat(_soak(monkeypatch, 1, ("zero", "zero+wrap", "zero+bf16+wrap", "zero+auto+wrap",
-                                        "zero+noprefetch+wrap")))
+    _assert_flat(
+        _soak(
+            monkeypatch, 1, ("zero", "zero+wrap", "zero+bf16+wrap", "zero+auto+wrap", "zero+noprefetch+wrap")
+        )
+    )
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ def rank_batch(step, rank, world):
     """This rank's slice of step ``step``'s batch: ``BATCH // world`` rows."""
     x, y = data(step)
     per = BATCH // world
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
 def train(m, rank, world, steps=3, clip=None, opt_cls=torch.optim.Adam):
@@ -85,7 +85,9 @@ def train(m, rank, world, steps=3, clip=None, opt_cls=torch.optim.Adam):
         loss.backward()
         if clip is not None:
             sharded = hasattr(m, "_tracedac_zero")
-            norm = zero.clip_grad_norm_(m, clip) if sharded else nn.utils.clip_grad_norm_(m.parameters(), clip)
+            norm = (
+                zero.clip_grad_norm_(m, clip) if sharded else nn.utils.clip_grad_norm_(m.parameters(), clip)
+            )
         opt.step()
         opt.zero_grad()
     return norm if clip is not None else None
@@ -166,7 +168,11 @@ class GatherLog:
         return n
 
     def close(self):
-        zgroup.FlatGroup.gather, zgroup.FlatGroup.start, zgroup._all_gather = self._gather, self._start, self._all_gather
+        zgroup.FlatGroup.gather, zgroup.FlatGroup.start, zgroup._all_gather = (
+            self._gather,
+            self._start,
+            self._all_gather,
+        )
 
 
 def memory(rank, world):
@@ -190,15 +196,24 @@ def memory(rank, world):
             log.close()
         # how many units gather each group: its owner, and units borrowing a shared parameter
         users = collections.Counter(g.key for u in z.all_units for g in u.groups)
-        out[where] = dict(alive=alive_after_forward, forward=forward, backward=backward, users=dict(users),
-                          live=len(zgathered._LIVE), starts=log.starts, prefetched=log.prefetched,
-                          grads=all(p.grad is not None for p in m.parameters() if p.requires_grad))
+        out[where] = dict(
+            alive=alive_after_forward,
+            forward=forward,
+            backward=backward,
+            users=dict(users),
+            live=len(zgathered._LIVE),
+            starts=log.starts,
+            prefetched=log.prefetched,
+            grads=all(p.grad is not None for p in m.parameters() if p.requires_grad),
+        )
     return out
 
 
 def full_grads(m) -> torch.Tensor:
     """The gradient of every trainable parameter, full (DTensor ``full_tensor``), by name, flat."""
-    return torch.cat([p.grad.full_tensor().flatten() for _, p in sorted(m.named_parameters()) if p.grad is not None])
+    return torch.cat(
+        [p.grad.full_tensor().flatten() for _, p in sorted(m.named_parameters()) if p.grad is not None]
+    )
 
 
 def flat_grads(m) -> torch.Tensor:
@@ -214,8 +229,11 @@ def mixed(rank, world):
     ref_grads = flat_grads(ref)
     x, y = rank_batch(0, rank, world)
     res = {}
-    for name, mp in (("fp32", None), ("bf16", zero.MixedPrecision()),
-                     ("bf16-reduce", zero.MixedPrecision(reduce_dtype=torch.bfloat16))):
+    for name, mp in (
+        ("fp32", None),
+        ("bf16", zero.MixedPrecision()),
+        ("bf16-reduce", zero.MixedPrecision(reduce_dtype=torch.bfloat16)),
+    ):
         m = zero.shard(model(), mixed_precision=mp)
         log = GatherLog()
         try:
@@ -330,11 +348,16 @@ def checks(rank, world):
     from .auto_workers import _train
 
     out = {}
-    for name, mp, prefetch in (("listed", zero.MixedPrecision(), True), ("auto", zero.MixedPrecision("auto"), True),
-                               ("auto-alone", zero.MixedPrecision("auto"), False)):
+    for name, mp, prefetch in (
+        ("listed", zero.MixedPrecision(), True),
+        ("auto", zero.MixedPrecision("auto"), True),
+        ("auto-alone", zero.MixedPrecision("auto"), False),
+    ):
         m = zero.shard(model(tie=False), mixed_precision=mp, prefetch=prefetch)
         losses, counts = _train(m, rank, world, log=CheckLog, read=lambda log: dict(log.counted))
-        out[name] = dict(losses=losses, counts=counts, groups=len({g.key for g in m._tracedac_zero.all_groups}))
+        out[name] = dict(
+            losses=losses, counts=counts, groups=len({g.key for g in m._tracedac_zero.all_groups})
+        )
     return out
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import operator
 
 import torch
-from .._compat import optimization_hint
 
+from .._compat import optimization_hint
 from ..graph import Group, Node, RegionGraph, TensorMeta
 from .names import module_path
 
@@ -43,8 +43,14 @@ class RegionView:
         return g
 
     def _meta(self, val, g: Group) -> TensorMeta:
-        return TensorMeta(g.id, 0, val.dtype, tuple(_int(s) for s in val.shape),
-                          tuple(_int(s) for s in val.stride()), _int(val.storage_offset()))
+        return TensorMeta(
+            g.id,
+            0,
+            val.dtype,
+            tuple(_int(s) for s in val.shape),
+            tuple(_int(s) for s in val.stride()),
+            _int(val.storage_offset()),
+        )
 
     def value(self, n):
         """The TensorMeta of fx value ``n`` (an outside value becomes an external group)."""
@@ -90,21 +96,45 @@ class RegionView:
         if not any(isinstance(t, torch.Tensor) for t in tensors):
             return
         if getattr(op, "is_view", False) and all(isinstance(t, torch.Tensor) for t in tensors):
-            base = next((self.value(a) for a in n.args if isinstance(a, torch.fx.Node)
-                         and isinstance(a.meta.get("val"), torch.Tensor)), None)
+            base = next(
+                (
+                    self.value(a)
+                    for a in n.args
+                    if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+                ),
+                None,
+            )
             if base is not None:  # a view of a value in the region's graph: same storage, no node
                 # (``split``/``unbind`` return several views of it: each shares its storage too)
-                views = tuple(TensorMeta(base.group, 0, t.dtype, tuple(_int(s) for s in t.shape),
-                                         tuple(_int(s) for s in t.stride()), _int(t.storage_offset()))
-                              for t in tensors)
+                views = tuple(
+                    TensorMeta(
+                        base.group,
+                        0,
+                        t.dtype,
+                        tuple(_int(s) for s in t.shape),
+                        tuple(_int(s) for s in t.stride()),
+                        _int(t.storage_offset()),
+                    )
+                    for t in tensors
+                )
                 self.values[n] = views[0] if isinstance(val, torch.Tensor) else views
                 self._label(base, labels)
                 return
         args = tuple(self._arg(a) for a in n.args)
         kwargs = {k: self._arg(v) for k, v in n.kwargs.items()}
         random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
-        node = Node(len(self.graph.nodes), op, args, kwargs, (), (), (), _COMPILED_RNG if random else None,
-                    module_path(n), n.meta.get("stack_trace"))
+        node = Node(
+            len(self.graph.nodes),
+            op,
+            args,
+            kwargs,
+            (),
+            (),
+            (),
+            _COMPILED_RNG if random else None,
+            module_path(n),
+            n.meta.get("stack_trace"),
+        )
         node.labels = labels
         outputs, creates = [], []
         for i, t in enumerate(tensors):

@@ -95,6 +95,7 @@ def install() -> None:
     if user is None:
         functorch_config.joint_custom_pass = _aot_pass
     elif user is not _aot_pass and getattr(user, "_tracedac_chained", None) is None:
+
         def chained(gm, joint_inputs):
             return _aot_pass(user(gm, joint_inputs), joint_inputs)
 

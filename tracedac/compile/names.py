@@ -37,7 +37,7 @@ def input_name(source: str) -> str:
     """What a compiled graph input is, from dynamo's source of it: a parameter or buffer by
     its qualified name (``blocks.0.ln1.weight``), an argument by its name (``argument x``)."""
     root = re.match(r"^L\['([^']*)'\]", source)
-    rest = source[root.end():] if root else source
+    rest = source[root.end() :] if root else source
     if root and not rest:
         return f"argument {root.group(1)}"
     # a module called as ``module(*args, **kwargs)``: dynamo's frame is its ``_call_impl``

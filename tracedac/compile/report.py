@@ -39,10 +39,16 @@ class Partition:
         self.fw, self.bw = fw, bw
         self.sources = list(sources)  # dynamo's source of each graph input, by position
         by_name = {n.name: n for n in fw.graph.nodes}
-        self.saved = [by_name.get(p.name, p) for p in bw.graph.find_nodes(op="placeholder")
-                      if not p.name.startswith("tangents") and isinstance(p.meta.get("val"), torch.Tensor)]
-        self.replayed = [n for n in bw.graph.nodes if n.op == "call_function"
-                         and n.meta.get("partitioner_tag") == "is_forward"]
+        self.saved = [
+            by_name.get(p.name, p)
+            for p in bw.graph.find_nodes(op="placeholder")
+            if not p.name.startswith("tangents") and isinstance(p.meta.get("val"), torch.Tensor)
+        ]
+        self.replayed = [
+            n
+            for n in bw.graph.nodes
+            if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward"
+        ]
 
     def input_name(self, n) -> str:
         """What the forward's input ``n`` is: a parameter's or buffer's qualified name, an argument."""
@@ -66,7 +72,11 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 def _nbytes(n) -> int:
     val = n.meta["val"]
-    return _int(val.untyped_storage().nbytes()) if n.op == "placeholder" else _int(val.numel()) * val.dtype.itemsize
+    return (
+        _int(val.untyped_storage().nbytes())
+        if n.op == "placeholder"
+        else _int(val.numel()) * val.dtype.itemsize
+    )
 
 
 def partition(fn, *args, **kwargs) -> list[Partition]:
@@ -86,8 +96,12 @@ def partition(fn, *args, **kwargs) -> list[Partition]:
 
     import torch._functorch.config as functorch_config
 
-    aot = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, decompositions=select_decomp_table,
-                       partition_fn=partition_fn)
+    aot = aot_autograd(
+        fw_compiler=boxed_nop,
+        bw_compiler=boxed_nop,
+        decompositions=select_decomp_table,
+        partition_fn=partition_fn,
+    )
 
     def backend(gm, example_inputs):
         sources[:] = graph_input_sources(gm)
@@ -112,7 +126,11 @@ def report(fn, *args, **kwargs):
             if n.op == "placeholder" and n.name.startswith("rng_state"):
                 # functionalized randomness: the generator state a random op drew from, so
                 # backward replays its numbers (one per random op the partitioner recomputes)
-                kind, op, why = "rng state", "rng state", "generator state: backward replays a random op's numbers"
+                kind, op, why = (
+                    "rng state",
+                    "rng state",
+                    "generator state: backward replays a random op's numbers",
+                )
             elif n.op == "placeholder":
                 kind, op, why = "input", "input", f"{part.input_name(n)}: a graph input backward reads"
             else:
@@ -125,10 +143,23 @@ def report(fn, *args, **kwargs):
             module = module_path(n)
             found = _FRAME.findall(n.meta.get("stack_trace") or "")
             source = f"{found[-1][0]}:{found[-1][1]}" if found else None
-            result.rows.append(SavedRow(region, kind, op, tuple(_int(d) for d in val.shape), val.dtype, _nbytes(n), source, module,
-                                        ", ".join(sorted(n.meta.get(LABELS, ()))), why))
+            result.rows.append(
+                SavedRow(
+                    region,
+                    kind,
+                    op,
+                    tuple(_int(d) for d in val.shape),
+                    val.dtype,
+                    _nbytes(n),
+                    source,
+                    module,
+                    ", ".join(sorted(n.meta.get(LABELS, ()))),
+                    why,
+                )
+            )
         result.replay_ops += len(part.replayed)
         result.replay_flops += part.replay_flops
-        result.replayed_bytes += sum(_nbytes(n) for n in part.replayed if isinstance(n.meta.get("val"), torch.Tensor))
+        result.replayed_bytes += sum(
+            _nbytes(n) for n in part.replayed if isinstance(n.meta.get("val"), torch.Tensor)
+        )
     return result
-

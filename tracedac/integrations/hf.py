@@ -34,10 +34,10 @@ import types
 from torch import nn
 
 from ..checkpoint import checkpoint_call
-from ..region import register_name, unregister_name
-from ..errors import CheckpointError
 from ..decisions import hold
+from ..errors import CheckpointError
 from ..policies import check_policy, offload_kept, recompute_all
+from ..region import register_name, unregister_name
 from ..selective import from_context_fn, is_noop_context_fn
 
 __all__ = ["disable", "enable"]
@@ -66,10 +66,12 @@ def _pretrained(model: nn.Module):
 def _check_options(kwargs: dict | None):
     """Refuse what tracedac would not do as asked; say what to pass instead. Returns the
     policy a ``context_fn`` of torch's selective checkpointing asks for, or None."""
-    documented = ("Enable tracedac with tracedac.integrations.hf.enable(model, policy=...) and "
-                  "leave the option out of gradient_checkpointing_kwargs (TrainingArguments) or "
-                  "activation_checkpointing_kwargs; to train with torch's checkpoint instead, call "
-                  "tracedac.integrations.hf.disable(model) first.")
+    documented = (
+        "Enable tracedac with tracedac.integrations.hf.enable(model, policy=...) and "
+        "leave the option out of gradient_checkpointing_kwargs (TrainingArguments) or "
+        "activation_checkpointing_kwargs; to train with torch's checkpoint instead, call "
+        "tracedac.integrations.hf.disable(model) first."
+    )
     kwargs = dict(kwargs or {})
     if kwargs.get("use_reentrant"):
         raise CheckpointError(
@@ -110,9 +112,16 @@ class _Checkpointing:
         self.layers = []  # modules with a gradient_checkpointing flag: (module, flag, function)
         for m in model.modules():
             if hasattr(m, "gradient_checkpointing"):
-                self.layers.append((m, m.__dict__.get("gradient_checkpointing", _ABSENT),
-                                    m.__dict__.get("_gradient_checkpointing_func", _ABSENT)))
-        self.hooks_before = {k: model.__dict__.get(k, _ABSENT) for k in ("_require_grads_hooks", "_require_grads_hook")}
+                self.layers.append(
+                    (
+                        m,
+                        m.__dict__.get("gradient_checkpointing", _ABSENT),
+                        m.__dict__.get("_gradient_checkpointing_func", _ABSENT),
+                    )
+                )
+        self.hooks_before = {
+            k: model.__dict__.get(k, _ABSENT) for k in ("_require_grads_hooks", "_require_grads_hook")
+        }
         self.hooks_added = []  # input-embedding hooks transformers added on our calls
 
     tracedac_regions = True  # what tracedac.is_checkpointed looks for in a layer
@@ -170,8 +179,9 @@ class _Checkpointing:
         model.__dict__.pop("_tracedac", None)
 
 
-def _activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers: int = 1,
-                                     offload: bool = False):
+def _activation_checkpointing_enable(
+    self, activation_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False
+):
     """transformers' activation_checkpointing_enable, with tracedac's checkpoint in every layer
     (set on this model by tracedac.integrations.hf.enable; undone by its disable)."""
     self._tracedac.switch_on(activation_checkpointing_kwargs, every_n_layers, offload)
@@ -194,7 +204,9 @@ def enable(model: nn.Module, policy=None, *, every_n_layers: int = 1) -> nn.Modu
     if state is None:
         state = _Checkpointing(target, prefix, policy, explicit)
         target.__dict__["_tracedac"] = state
-        target.__dict__["activation_checkpointing_enable"] = types.MethodType(_activation_checkpointing_enable, target)
+        target.__dict__["activation_checkpointing_enable"] = types.MethodType(
+            _activation_checkpointing_enable, target
+        )
     elif not isinstance(state, _Checkpointing):
         raise CheckpointError(
             f"{type(target).__name__} is already checkpointed by tracedac as a whole ({state!r}); "

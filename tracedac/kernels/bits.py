@@ -134,7 +134,9 @@ def _fp16_magnitude(magnitude: torch.Tensor) -> torch.Tensor:
     return torch.where(magnitude >= 0x477FF000, 0x7C00, torch.where(magnitude >= 0x38800000, normal, kept))
 
 
-def convert_bits(bits: torch.Tensor, src_dtype: torch.dtype, dst_dtype: torch.dtype, rule: NanRule) -> torch.Tensor:
+def convert_bits(
+    bits: torch.Tensor, src_dtype: torch.dtype, dst_dtype: torch.dtype, rule: NanRule
+) -> torch.Tensor:
     """``dst_dtype`` bit patterns of ``src_dtype`` bit patterns: what the kernel computes."""
     return narrow(widen(bits, src_dtype), dst_dtype, rule)
 

@@ -49,7 +49,9 @@ def _kernel(interpreted: bool):
     # the other from the same Python function, so CPU tests and GPU runs share a process.
     fn = pack_cast_kernel.fn
     if interpreted:
-        return pack_cast_kernel if isinstance(pack_cast_kernel, InterpretedFunction) else InterpretedFunction(fn)
+        return (
+            pack_cast_kernel if isinstance(pack_cast_kernel, InterpretedFunction) else InterpretedFunction(fn)
+        )
     return pack_cast_kernel if isinstance(pack_cast_kernel, JITFunction) else JITFunction(fn)
 
 

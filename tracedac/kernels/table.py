@@ -19,7 +19,9 @@ from .bits import FORMATS, nan_rule
 __all__ = ["COLS", "MAX_DIMS", "Plan", "collapse_dims", "plan_for"]
 
 # Column indices of a row (the kernel reads them under the same names).
-ADDR, KIND, DST_START, NUMEL, FIRST_BLOCK, CONTIGUOUS, NAN_CANONICAL, NAN_QUIET_BITS, NAN_PAYLOAD_MASK = range(9)
+ADDR, KIND, DST_START, NUMEL, FIRST_BLOCK, CONTIGUOUS, NAN_CANONICAL, NAN_QUIET_BITS, NAN_PAYLOAD_MASK = (
+    range(9)
+)
 MAX_DIMS = 4
 SIZES = 9  # MAX_DIMS sizes, innermost first, padded with 1
 STRIDES = SIZES + MAX_DIMS  # MAX_DIMS strides in elements, innermost first, padded with 0

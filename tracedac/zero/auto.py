@@ -71,7 +71,11 @@ class Observer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if isinstance(func, torch._ops.HigherOrderOperator):
             return out
-        hit = [i for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and (i := self._group(a)) is not None]
+        hit = [
+            i
+            for a in tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and (i := self._group(a)) is not None
+        ]
         if hit:
             notes = self.auto.notes
             dtype = cast_dtype(func, args, kwargs)

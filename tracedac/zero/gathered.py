@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..region import REBUILDERS
 from ..op_info import storage_address as _address
+from ..region import REBUILDERS
 from .group import FlatGroup
 
 __all__ = ["Gathered", "Handle", "handle_for"]

@@ -25,7 +25,9 @@ def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0) -> torch.Te
     grads = [p.grad.to_local() for p in module.parameters() if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
-        local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device)).float()
+        local = max(
+            (g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device)
+        ).float()
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=z.group)
         total = local
     else:

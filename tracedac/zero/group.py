@@ -37,7 +37,14 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 def _dtype_named(code: int) -> str:
-    known = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
+    known = (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
     return next((str(d) for d in known if _dtype_code(d) == code), "another dtype")
 
 
@@ -168,8 +175,11 @@ class FlatGroup:
         run = ((self, dtype), *together)
         numel = sum(g.shard_numel for g, _ in run)
         every = zlib.crc32(" ".join(f"{g.name}:{d}" for g, d in run).encode())
-        mine = torch.tensor([_WHAT[what], numel, self.crc, _dtype_code(dtype), len(run), every], dtype=torch.int64,
-                            device=device)
+        mine = torch.tensor(
+            [_WHAT[what], numel, self.crc, _dtype_code(dtype), len(run), every],
+            dtype=torch.int64,
+            device=device,
+        )
         rows = torch.empty(self.world, mine.numel(), dtype=torch.int64, device=device)
         self.wait(_all_gather(rows.view(-1), mine, group=self.group, async_op=True), f"{what} (order check)")
         if bool((rows == mine).all()):
@@ -177,13 +187,15 @@ class FlatGroup:
         r = next(r for r in range(self.world) if not bool((rows[r] == mine).all()))
         kind, _, crc, code, count, _ = rows[r].tolist()
         more = f" (and {len(run) - 1} more of its unit's groups)" if len(run) > 1 else ""
-        if kind == _WHAT[what] and crc == self.crc and count == len(run):  # the same collective: dtypes differ
+        if (
+            kind == _WHAT[what] and crc == self.crc and count == len(run)
+        ):  # the same collective: dtypes differ
             theirs = f" in {_dtype_named(code)}" if code != _dtype_code(dtype) else " in other dtypes"
             raise ZeroError(
                 f"rank {self.rank} is at the {what} of {self.name}{more} in {dtype} but rank {r} is at "
                 f"the same {what}{theirs}: the ranks gather or reduce this group in "
                 "different dtypes (a forward under torch.autocast on some ranks only, with "
-                "MixedPrecision(\"auto\") or a fused cast). Run every rank's forward under the same "
+                'MixedPrecision("auto") or a fused cast). Run every rank\'s forward under the same '
                 "autocast; nothing was exchanged."
             )
         if kind == _WHAT[what] and crc == self.crc:  # the same gather, started with other groups
@@ -194,7 +206,9 @@ class FlatGroup:
                 "taken on some ranks only, a unit skipped, a different number of forwards). Every rank "
                 "must run the same units in the same order; nothing was exchanged."
             )
-        theirs = next((g.name for g in list(_GROUPS.values()) if g.crc == crc), "a group this rank does not know")
+        theirs = next(
+            (g.name for g in list(_GROUPS.values()) if g.crc == crc), "a group this rank does not know"
+        )
         raise ZeroError(
             f"rank {self.rank} is at the {what} of {self.name}{more} but rank {r} is at the "
             f"{_WHAT_NAMES.get(kind, 'unknown collective')} of {theirs}"
@@ -284,8 +298,10 @@ class FlatGroup:
         divided by world, parameter after parameter."""
         self.agree("adjoint all-gather", grad.dtype)
         out = grad.new_empty(self.world * self.shard_numel)
-        self.wait(_all_gather(out, grad.contiguous(), group=self.group, async_op=True),
-                  "all-gather (reduce-scatter backward)")
+        self.wait(
+            _all_gather(out, grad.contiguous(), group=self.group, async_op=True),
+            "all-gather (reduce-scatter backward)",
+        )
         return to_param_major(out.div_(self.world), self.slices, self.world)
 
     # -- gradients --

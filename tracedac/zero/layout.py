@@ -23,7 +23,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-__all__ = ["Slice", "dtensor", "make_slices", "parameter", "split_views", "spec_for", "to_param_major", "to_rank_major"]
+__all__ = [
+    "Slice",
+    "dtensor",
+    "make_slices",
+    "parameter",
+    "split_views",
+    "spec_for",
+    "to_param_major",
+    "to_rank_major",
+]
 
 
 class Slice:
@@ -47,17 +56,17 @@ class Slice:
 
     def local(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's rows, a view of ``flat`` (the rank's buffer or a gradient of its shape)."""
-        return flat[self.offset:self.offset + self.local_shape.numel()].view(self.local_shape)
+        return flat[self.offset : self.offset + self.local_shape.numel()].view(self.local_shape)
 
     def full(self, padded: torch.Tensor, world: int) -> torch.Tensor:
         """The full parameter, a view of the param-major gathered buffer."""
         start = world * self.offset
-        return padded[start:start + self.numel].view(self.shape)
+        return padded[start : start + self.numel].view(self.shape)
 
     def rows_of(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
         """This rank's rows of a full value of the parameter (``torch.chunk``'s piece)."""
         per_rank = -(-self.shape[0] // world)
-        return full[rank * per_rank:rank * per_rank + self.local_shape[0]]
+        return full[rank * per_rank : rank * per_rank + self.local_shape[0]]
 
 
 def split_views(padded: torch.Tensor, slices: list[Slice], world: int) -> list[torch.Tensor]:

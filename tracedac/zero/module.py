@@ -157,7 +157,8 @@ def _as_zero_module(module: nn.Module) -> None:
     cls = module.__class__
     if not issubclass(cls, ZeroModule):
         module.__class__ = _ZERO_CLASSES.get(cls) or _ZERO_CLASSES.setdefault(
-            cls, type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__}))
+            cls, type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__})
+        )
 
 
 _ZERO_CLASSES: dict = {}
@@ -200,13 +201,19 @@ class _Reattach:
                     "values (or use tracedac.zero.load_full_state_dict)."
                 )
             with torch.no_grad():
-                if (isinstance(new, DTensor) and new.device_mesh == s.spec.mesh and new.placements == s.spec.placements
-                        and new.to_local().shape == s.local_shape):
+                if (
+                    isinstance(new, DTensor)
+                    and new.device_mesh == s.spec.mesh
+                    and new.placements == s.spec.placements
+                    and new.to_local().shape == s.local_shape
+                ):
                     rows = new.to_local()  # already this rank's Shard(0) rows: no communication
                 else:
                     full = new.full_tensor() if isinstance(new, DTensor) else new
                     if full.shape != s.shape:
-                        raise ZeroError(f"load_state_dict(assign=True) gave {s.fqn!r} the shape "
-                                        f"{tuple(full.shape)}; the sharded parameter has {tuple(s.shape)}.")
+                        raise ZeroError(
+                            f"load_state_dict(assign=True) gave {s.fqn!r} the shape "
+                            f"{tuple(full.shape)}; the sharded parameter has {tuple(s.shape)}."
+                        )
                     rows = s.rows_of(full, g.rank, g.world)
                 s.local(g.local).copy_(rows)

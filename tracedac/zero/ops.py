@@ -3,7 +3,8 @@
 - ``tracedac::all_gather(shard, flat, dtype=None) -> full``: cast this rank's fp32 buffer
   into the all-gather input (``pack_cast``, one fused pass), all-gather in the group's travel
   dtype (or ``dtype``: the compiled graph's cast moved into the gather by
-  ``compile/passes/gather_cast.py``), and reorder rank-major into parameter after parameter (``layout``). Backward:
+  ``compile/passes/gather_cast.py``), and reorder rank-major into parameter after parameter
+  (``layout``). Backward:
   ``reduce_scatter`` the full gradient and add it into the parameters' DTensor ``.grad``
   with ``accumulate_`` (or keep it unsharded while gradient sync is off).
 - ``tracedac::reduce_scatter(grad, flat) -> part``: this rank's part of the gradient summed

@@ -74,7 +74,7 @@ class Prefetch:
         if at >= len(order) or order[at] is not group:
             return ()
         run: list = []
-        for g in order[at + 1:]:
+        for g in order[at + 1 :]:
             if g.owner is not group.owner or g is group or g in run:
                 break
             if g.pending is None:

@@ -49,12 +49,18 @@ class MixedPrecision:
 
     def __post_init__(self):
         for field, value in (("param_dtype", self.param_dtype), ("reduce_dtype", self.reduce_dtype)):
-            if value not in (torch.float32, torch.bfloat16, torch.float16) and not (field == "param_dtype" and value == "auto"):
+            if value not in (torch.float32, torch.bfloat16, torch.float16) and not (
+                field == "param_dtype" and value == "auto"
+            ):
                 also = ' or "auto"' if field == "param_dtype" else ""
-                raise TypeError(f"MixedPrecision({field}=...) takes torch.float32, bfloat16 or float16{also}, "
-                                f"got {value!r}")
+                raise TypeError(
+                    f"MixedPrecision({field}=...) takes torch.float32, bfloat16 or float16{also}, "
+                    f"got {value!r}"
+                )
         mods = self.low_precision_modules
-        if not isinstance(mods, tuple) or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in mods):
+        if not isinstance(mods, tuple) or not all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in mods
+        ):
             raise TypeError(
                 f"MixedPrecision(low_precision_modules=...) takes a tuple of nn.Module classes, got {mods!r}"
             )
@@ -77,8 +83,11 @@ def _choose_units(module: nn.Module, match) -> dict[int, str]:
         elif match(name, m):
             chosen[id(m)] = name
     if match is not None and not chosen:
-        raise no_match_error(module, f"shard(units=...) matched no submodule of {type(module).__name__}, so "
-                                     "every parameter would be gathered at once")
+        raise no_match_error(
+            module,
+            f"shard(units=...) matched no submodule of {type(module).__name__}, so "
+            "every parameter would be gathered at once",
+        )
     return chosen
 
 
@@ -87,7 +96,9 @@ def _timeout(timeout):
         return timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
         return datetime.timedelta(seconds=timeout)
-    raise TypeError(f"shard(timeout=...) takes seconds (a positive number) or a datetime.timedelta, got {timeout!r}")
+    raise TypeError(
+        f"shard(timeout=...) takes seconds (a positive number) or a datetime.timedelta, got {timeout!r}"
+    )
 
 
 def _arrive(group, timeout) -> None:
@@ -159,8 +170,15 @@ def _nested(module: nn.Module, uses) -> list[Sharded]:
     return children
 
 
-def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPrecision | None = None,
-          prefetch: bool = True, timeout=None) -> nn.Module:
+def shard(
+    module: nn.Module,
+    *,
+    group=None,
+    units=None,
+    mixed_precision: MixedPrecision | None = None,
+    prefetch: bool = True,
+    timeout=None,
+) -> nn.Module:
     """Shard ``module``'s parameters in place across ``group`` (ZeRO-3); returns ``module``.
 
     Every parameter stays where it was, under its name, as its rank's ``Shard(0)`` piece: a
@@ -190,9 +208,13 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     if group is None:
         group = dist.group.WORLD
     elif not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"shard(group=...) takes a torch.distributed ProcessGroup, got {type(group).__name__}")
+        raise TypeError(
+            f"shard(group=...) takes a torch.distributed ProcessGroup, got {type(group).__name__}"
+        )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(f"shard(mixed_precision=...) takes a tracedac.zero.MixedPrecision, got {mixed_precision!r}")
+        raise TypeError(
+            f"shard(mixed_precision=...) takes a tracedac.zero.MixedPrecision, got {mixed_precision!r}"
+        )
     if not isinstance(prefetch, bool):
         raise TypeError(f"shard(prefetch=...) takes True or False, got {prefetch!r}")
     timeout = _timeout(timeout)
@@ -206,9 +228,19 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     _arrive(group, timeout)
     _check_same_models(meta, group)
     for u in uses:
-        if u.param.dtype != torch.float32 or u.param.is_sparse or u.param.dim() == 0 or isinstance(u.param, DTensor):
-            what = ("a DTensor already" if isinstance(u.param, DTensor) else "0-dimensional" if u.param.dim() == 0
-                    else f"{u.param.dtype}{' sparse' if u.param.is_sparse else ''}")
+        if (
+            u.param.dtype != torch.float32
+            or u.param.is_sparse
+            or u.param.dim() == 0
+            or isinstance(u.param, DTensor)
+        ):
+            what = (
+                "a DTensor already"
+                if isinstance(u.param, DTensor)
+                else "0-dimensional"
+                if u.param.dim() == 0
+                else f"{u.param.dtype}{' sparse' if u.param.is_sparse else ''}"
+            )
             raise ZeroError(
                 f"parameter {u.fqn!r} is {what}; shard() keeps dense fp32 parameters of at least one "
                 "dimension as Shard(0) pieces. Build the model in float32 (pass mixed_precision="
@@ -244,7 +276,9 @@ def shard(module: nn.Module, *, group=None, units=None, mixed_precision: MixedPr
     mp = mixed_precision
     if mp is not None and mp.param_dtype != "auto":
         autocast = _Autocast(device.type, mp.param_dtype)
-        for m in {id(u.module): u.module for u in uses if isinstance(u.module, mp.low_precision_modules)}.values():
+        for m in {
+            id(u.module): u.module for u in uses if isinstance(u.module, mp.low_precision_modules)
+        }.values():
             m.register_forward_pre_hook(autocast.pre)
             m.register_forward_hook(autocast.post, always_call=True)
     groups = [g for u in units_by_name.values() for g in u.own]
@@ -313,7 +347,9 @@ def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
             first.add(id(u.param))
             dtype = mp.param_dtype if low[id(u.param)] else torch.float32
             # "auto": one group per module class, each to travel in the dtype its uses show
-            members.setdefault((u.unit, dtype, u.param.requires_grad, type(u.module) if auto else None), []).append(u)
+            members.setdefault(
+                (u.unit, dtype, u.param.requires_grad, type(u.module) if auto else None), []
+            ).append(u)
     owner = {}
     for (name, dtype, requires_grad, cls), firsts in members.items():
         unit = units[name]
@@ -329,8 +365,17 @@ def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
         kind = f"{'trainable' if requires_grad else 'frozen'} {str(dtype).removeprefix('torch.')}"
         if cls is not None:
             kind = f"{'trainable' if requires_grad else 'frozen'} {cls.__name__}, auto dtype"
-        g = FlatGroup(f"unit {name or '<root>'!r} ({kind} parameters)", slices, numel, requires_grad, dtype,
-                      mp.reduce_dtype if mp is not None else torch.float32, group, timeout, state)
+        g = FlatGroup(
+            f"unit {name or '<root>'!r} ({kind} parameters)",
+            slices,
+            numel,
+            requires_grad,
+            dtype,
+            mp.reduce_dtype if mp is not None else torch.float32,
+            group,
+            timeout,
+            state,
+        )
         g.local = local  # bound (DTensors made) once _attach knows every place each is held
         g.auto = cls is not None
         g.owner = unit

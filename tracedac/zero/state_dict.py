@@ -89,8 +89,16 @@ def load_full_state_dict(module, state_dict: dict) -> None:
         if g is None:
             continue
         value = state_dict[key]
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(p.shape) or value.dtype != p.dtype:
-            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+        if (
+            not isinstance(value, torch.Tensor)
+            or tuple(value.shape) != tuple(p.shape)
+            or value.dtype != p.dtype
+        ):
+            got = (
+                f"{tuple(value.shape)} {value.dtype}"
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
+            )
             raise ZeroError(
                 f"state dict entry {key!r} is {got} but the parameter is {tuple(p.shape)} {p.dtype}; "
                 "load a state dict saved from this model."
@@ -128,8 +136,12 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
     state = _state(model, optimizer)
     _check_against(dcp.FileSystemReader(checkpoint_id).read_metadata(), state, checkpoint_id)
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=sharded(model).group)
-    set_state_dict(model, () if optimizer is None else optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))
+    set_state_dict(
+        model,
+        () if optimizer is None else optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+    )
 
 
 def _check_against(metadata, state: dict, where) -> None:
@@ -143,10 +155,14 @@ def _check_against(metadata, state: dict, where) -> None:
             continue
         md = saved.get(key)
         if md is None:
-            raise ZeroError(f"checkpoint {str(where)!r} has no entry {key!r}, which the model (or its "
-                            "optimizer) needs; it was saved from another model.")
+            raise ZeroError(
+                f"checkpoint {str(where)!r} has no entry {key!r}, which the model (or its "
+                "optimizer) needs; it was saved from another model."
+            )
         if not isinstance(md, TensorStorageMetadata):
-            raise ZeroError(f"checkpoint entry {key!r} is not a tensor, the model's is; saved from another model.")
+            raise ZeroError(
+                f"checkpoint entry {key!r} is not a tensor, the model's is; saved from another model."
+            )
         if tuple(md.size) != tuple(value.shape) or md.properties.dtype != value.dtype:
             raise ZeroError(
                 f"checkpoint entry {key!r} is {tuple(md.size)} {md.properties.dtype} but the model's is "
@@ -156,5 +172,7 @@ def _check_against(metadata, state: dict, where) -> None:
     prefixes = tuple(f"{k}." for k in state)
     extra = [k for k in saved if k.startswith(prefixes) and k not in flat]
     if extra:
-        raise ZeroError(f"checkpoint {str(where)!r} has entries the model does not: {extra[:5]}; it was "
-                        "saved from another model.")
+        raise ZeroError(
+            f"checkpoint {str(where)!r} has entries the model does not: {extra[:5]}; it was "
+            "saved from another model."
+        )

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..region import current_region, tracing
 from .._compat import _VERSION, class_forward
 from ..compile.registry import install_traced
+from ..region import current_region, tracing
 from .errors import ZeroError
 from .gathered import Gathered, Handle, handle_for
 from .group import FlatGroup
@@ -113,8 +113,11 @@ class Unit:
         if auto is not None and auto.observer is not None:
             auto.track(views, self.groups)
         hooks = None
-        if (torch.is_grad_enabled() and current_region() is None
-                and torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
+        if (
+            torch.is_grad_enabled()
+            and current_region() is None
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        ):
             # Only when no other pair is active. A tracedac region turns gathered weights
             # into handles on its recorded gather node; torch.utils.checkpoint saves nothing
             # and re-runs the forward, which gathers again. Innermost wins, so pushing ours
@@ -230,8 +233,10 @@ class _Autocast:
 
     def pre(self, module, args):
         if tracing(args):
-            if torch.is_autocast_enabled(self.device_type) and \
-                    torch.get_autocast_dtype(self.device_type) == self.dtype:
+            if (
+                torch.is_autocast_enabled(self.device_type)
+                and torch.get_autocast_dtype(self.device_type) == self.dtype
+            ):
                 return  # the caller's autocast already covers it (and the compiler traced it)
             raise ZeroError(
                 "shard(mixed_precision=MixedPrecision(...)) runs its low-precision modules under "

@@ -46,14 +46,19 @@ def _is_view(user, node) -> bool:
     an item of a multi-result view (``split``, ``unbind``)."""
     target = user.target
     if target is operator.getitem:
-        return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+        return (
+            node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.is_view
+        )
     return isinstance(target, torch._ops.OpOverload) and target.is_view and user.args[0] is node
 
 
 def _is_release(node) -> bool:
     release = zero_op("release")
     return node.target is release or (
-        node.target is torch.ops.higher_order.with_effects and len(node.args) > 1 and node.args[1] is release)
+        node.target is torch.ops.higher_order.with_effects and len(node.args) > 1 and node.args[1] is release
+    )
 
 
 def _uses(gather, backward) -> tuple[list, list] | None:

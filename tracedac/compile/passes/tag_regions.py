@@ -41,7 +41,14 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...decisions import (
-    MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, PREFER_SAVE, effect, is_offload, is_save, resolve,
+    MUST_RECOMPUTE,
+    MUST_SAVE,
+    PREFER_RECOMPUTE,
+    PREFER_SAVE,
+    effect,
+    is_offload,
+    is_save,
+    resolve,
 )
 from ...errors import CheckpointError
 from ...planners import MemoryBudget, closure, min_cut_keep, planner_of, problem
@@ -101,8 +108,12 @@ def untagged_saved(gm: torch.fx.GraphModule) -> set | None:
         n.meta.pop("ac_graph_id", None)
     try:
         # the joint graph's outputs: the forward's, then one gradient per primal input
-        _, bw = min_cut_rematerialization_partition(torch.fx.GraphModule(gm, graph), None, compiler="inductor",
-                                                    num_fwd_outputs=len(outputs) - len(primals))
+        _, bw = min_cut_rematerialization_partition(
+            torch.fx.GraphModule(gm, graph),
+            None,
+            compiler="inductor",
+            num_fwd_outputs=len(outputs) - len(primals),
+        )
     except Exception:  # noqa: BLE001 (an estimate: the caller falls back to the min cut)
         return None
     return {n.name for n in bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")}
@@ -125,7 +136,9 @@ def _warn_opaque(key: str, nodes: list) -> None:
                     f"tracedac: region {key.split('|')[0]!r} contains {name}, a higher-order op: its policy "
                     f"({key.split('|', 1)[-1]}) decides nothing inside it, and the compiled backward replays "
                     "it whole. Gradients are exact. To apply the policy inside, call the function without "
-                    "nested_compile_region (or checkpoint inside it).", stacklevel=2)
+                    "nested_compile_region (or checkpoint inside it).",
+                    stacklevel=2,
+                )
 
 
 def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda n: False) -> None:
@@ -153,8 +166,11 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
         base = set()
         for n, m in view.values.items():  # a saved view or getitem stands for its base's storage
             if n.name in baseline:
-                base.update((x.group, 0) for x in (m if isinstance(m, tuple) else (m,))
-                            if x is not None and graph.groups[x.group].creator is not None)
+                base.update(
+                    (x.group, 0)
+                    for x in (m if isinstance(m, tuple) else (m,))
+                    if x is not None and graph.groups[x.group].creator is not None
+                )
         # Priced on what backward really reads (``wanted``, which the tags make the
         # partitioner rebuild from what is kept: a residual sum its layer norm's backward
         # reads is rebuilt through the projection before it), chosen among both.
@@ -171,13 +187,20 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
             p.full = min(p.full, sum(graph.groups[g].nbytes for g in keep))
         # What a later region reads of this one the partitioner saves at the boundary: out
         # of the budget too.
-        boundary = {g.id for g in graph.groups if g.creator is not None and g.id in view.group_fx
-                    and any(later(u) for u in view.group_fx[g.id].users)}
+        boundary = {
+            g.id
+            for g in graph.groups
+            if g.creator is not None
+            and g.id in view.group_fx
+            and any(later(u) for u in view.group_fx[g.id].users)
+        }
         p.items = [g for g in p.items if g not in boundary]  # kept whatever the plan: not a choice
         p.reserved += sum(graph.groups[g].nbytes for g in boundary - p.kept_anyway)
         p.kept_anyway |= boundary
     keep = planner.choose(p)
-    if keep and getattr(policy, "offloads_kept", False):  # offload_kept(planner): what it keeps leaves the device
+    if keep and getattr(
+        policy, "offloads_kept", False
+    ):  # offload_kept(planner): what it keeps leaves the device
         _refuse_offload(graph.name, policy, graph.groups[min(keep)].node)
     for g in graph.groups:
         node = g.creator
@@ -218,16 +241,20 @@ def _tag(view, wanted: set, ac_graph_id: int, nodes: list) -> None:
     for n in nodes:
         if "recompute" not in n.meta or n.meta.get("ac_graph_id") != ac_graph_id:
             base = n.args[0] if n.target is operator.getitem else None
-            n.meta["recompute"] = base.meta.get("recompute", PREFER_RECOMPUTE) if base is not None \
-                else PREFER_RECOMPUTE
+            n.meta["recompute"] = (
+                base.meta.get("recompute", PREFER_RECOMPUTE) if base is not None else PREFER_RECOMPUTE
+            )
             n.meta["ac_graph_id"] = ac_graph_id
     for n in nodes:
         # A multi-output op's tuple cannot be saved, only its getitems, and inductor's
         # partitioner replays only ops on its allowlist (not topk): an op MUST_SAVE with a
         # getitem to recompute had no partition ("cannot save: non-tensor output", met at the
         # bench's default size under inductor). The getitem may then be saved (PREFER_SAVE).
-        if n.target is operator.getitem and n.args[0].meta.get("recompute") is MUST_SAVE \
-                and not is_save(n.meta.get("recompute")):
+        if (
+            n.target is operator.getitem
+            and n.args[0].meta.get("recompute") is MUST_SAVE
+            and not is_save(n.meta.get("recompute"))
+        ):
             n.meta["recompute"] = n.meta[DECISION] = PREFER_SAVE
         elif _free_to_rebuild(n):
             del n.meta["ac_graph_id"]
@@ -243,9 +270,12 @@ def _free_to_rebuild(n: torch.fx.Node) -> bool:
     does not, the bench's MoE two ``full`` buffers. (Untagged altogether, the partitioner's
     min cut saves a ``full`` that a scatter writes into: "materialized in backward".)"""
     op = n.target
-    return (isinstance(op, torch._ops.OpOverload) and not is_save(n.meta.get("recompute"))
-            and torch.Tag.nondeterministic_seeded not in op.tags
-            and not any(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes))
+    return (
+        isinstance(op, torch._ops.OpOverload)
+        and not is_save(n.meta.get("recompute"))
+        and torch.Tag.nondeterministic_seeded not in op.tags
+        and not any(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes)
+    )
 
 
 def tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -270,8 +300,10 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     baseline = untagged_saved(gm) if budgets else None
     run_of = {n: i for i, (_, run) in enumerate(runs, start=1) for n in run}
     for ac_graph_id, (key, nodes) in enumerate(runs, start=1):
+
         def later(n, this=ac_graph_id):
             return run_of.get(n, 0) > this
+
         spec = SPECS.get(key)
         if spec is None:
             raise AssertionError(f"joint graph names region {key!r}, which no traced region registered")
@@ -283,8 +315,11 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             m = view.values.get(n)
             metas = m if isinstance(m, tuple) else (m,)
             if any(u in backward for u in n.users):
-                wanted.update((x.group, 0) for x in metas
-                              if x is not None and view.graph.groups[x.group].creator is not None)
+                wanted.update(
+                    (x.group, 0)
+                    for x in metas
+                    if x is not None and view.graph.groups[x.group].creator is not None
+                )
         _decide(view, policy, wanted, baseline, later)
         _tag(view, wanted, ac_graph_id, nodes)
     graph.lint()
