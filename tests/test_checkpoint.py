@@ -583,7 +583,8 @@ def test_a_cached_plan_is_not_applied_where_autograd_saved_something_else():
 
 
 def test_checkpoint_call_names_the_region_for_the_module_it_runs():
-    from tracedac.region import register_name, reporting, unregister_name
+    from tracedac.naming import register_name, unregister_name
+    from tracedac.region import reporting
 
     layer, x = Block(), torch.randn(2, 8, 32, requires_grad=True)
     with reporting() as regions:

@@ -325,7 +325,9 @@ def test_a_first_order_backward_still_holds_only_what_the_policy_keeps(policy):
     kept = tracedac.saved_report(f, x, policy=policy).kept_bytes
     checkpointed = tracedac.checkpoint(f, policy=policy)
     held, out, before = _held_after_forward(checkpointed, x)
-    assert abs(held - kept) < 64 * 1024, (held, kept)
+    # no more than it keeps; less by what the suite's caches (the plan cache, least recently
+    # used out) happen to free meanwhile
+    assert -256 * 1024 < held - kept < 64 * 1024, (held, kept)
     out.backward()
     del out
     x.grad = w1.grad = w2.grad = None

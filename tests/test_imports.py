@@ -18,10 +18,11 @@ ROOT = pathlib.Path(tracedac.__file__).parent
 
 # Bottom first. A name is a top-level module or package of tracedac.
 LAYERS = (
-    ("errors", "_compat", "kernels", "location"),
+    ("errors", "_compat", "kernels", "location", "naming"),
     ("graph", "writes", "op_info", "decisions", "matching", "report", "offload"),
     ("trace",),
     ("replay_compiled", "replay_plan", "replay"),
+    ("min_cut",),
     ("planners",),
     ("plan_cache",),
     ("policies",),

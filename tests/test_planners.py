@@ -15,8 +15,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 import tracedac
 from tracedac import CheckpointError, checkpoint, planners, policies
 from tracedac.inspect import record
+from tracedac.min_cut import min_cut_keep
 from tracedac.plan_cache import plans
-from tracedac.planners import closure, costs, knapsack, min_cut_keep
+from tracedac.planners import closure, costs, knapsack
 from tracedac.region import current_region
 from tracedac.tradeoff import _Region
 

@@ -16,13 +16,13 @@ import threading
 import weakref
 
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
 from .compile import traced_region
 from .decisions import is_offload, is_save, resolve
 from .graph import RegionGraph
 from .location import track_modules
+from .naming import arg_refs, describe, module_table, registered_name
 from .offload import host_copy, settle
 from .plan_cache import Planning, computation, plan_key
 from .planners import planner_of
@@ -30,17 +30,7 @@ from .replay import Slot
 from .replay_plan import plan
 from .trace import TracerMode
 
-__all__ = [
-    "REBUILDERS",
-    "Region",
-    "current_region",
-    "regions",
-    "register_name",
-    "reporting",
-    "run_region",
-    "tracing",
-    "unregister_name",
-]
+__all__ = ["REBUILDERS", "Region", "current_region", "regions", "reporting", "run_region", "tracing"]
 
 _local = threading.local()
 # Modes under which a region is being traced, not run: its ops are marked, not recorded.
@@ -114,9 +104,9 @@ class Region:
         self.parent: Region | None = None
         self.owner = None  # the module whose forward this region is, if any
         # weak references to the call's tensor arguments, to name them in messages
-        self.arg_refs = _arg_refs(enumerate(args), "argument {}")
+        self.arg_refs = arg_refs(enumerate(args), "argument {}")
         if kwargs:
-            self.arg_refs += _arg_refs(kwargs.items(), "argument {!r}")
+            self.arg_refs += arg_refs(kwargs.items(), "argument {!r}")
         # A whole-graph planner decides from a plan cached for this code and these inputs
         # (checked against the structure as it records), or plans when the region ends.
         planner = planner_of(policy)
@@ -266,7 +256,7 @@ class Region:
         if self.offloads:
             self.kept = settle(self.graph.groups, self.kept)  # what is offloaded leaves the device
         module = weakref.ref(self.module) if self.module is not None else None
-        graph.namer = functools.partial(_describe, module, self.arg_refs, self.prefix)
+        graph.namer = functools.partial(describe, module, self.arg_refs, self.prefix)
         # From here a version counter that moves means a change the recorder did not see.
         graph.recording = False
         graph.plan = None  # a plan made while recording (autograd.grad in the region) may use what goes now
@@ -344,39 +334,6 @@ class Region:
                     nodes[i] = None  # a reachable group still holds its creator and writers
 
 
-def _arg_refs(items, label: str) -> list:
-    """(label, weak reference) for each tensor argument, and each tensor in a tuple or list
-    argument (Hugging Face passes ``position_embeddings=(cos, sin)``)."""
-    refs = []
-    for k, a in items:
-        if isinstance(a, torch.Tensor):
-            refs.append((label.format(k), weakref.ref(a)))
-        elif isinstance(a, (tuple, list)):
-            refs += [
-                (f"{label.format(k)}[{i}]", weakref.ref(x))
-                for i, x in enumerate(a)
-                if isinstance(x, torch.Tensor)
-            ]
-    return refs
-
-
-def _describe(module_ref, arg_refs, prefix, t) -> str:
-    """A name a person can find: an argument, a parameter's or buffer's qualified name, else a shape."""
-    shape = f"of shape {list(t.shape)} ({t.dtype})"
-    cdata = t.untyped_storage()._cdata
-    for label, ref in arg_refs:
-        a = ref()
-        if a is not None and a.untyped_storage()._cdata == cdata:
-            return f"{label} {shape}"
-    module = module_ref() if module_ref is not None else None
-    if module is not None:
-        for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
-            for n, p in items:
-                if p.untyped_storage()._cdata == cdata:
-                    return f"{kind} {prefix + n!r} {shape}"
-    return f"a tensor {shape}"
-
-
 class reporting:
     """Collect every region created in this thread while active, in report mode."""
 
@@ -388,27 +345,6 @@ class reporting:
     def __exit__(self, *exc):
         _local.reporting = self.previous
         return False
-
-
-# Qualified names of modules in the model they were checkpointed in (tracedac.integrations.hf
-# registers each layer): regions entered through checkpoint_call are named by them.
-_module_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def register_name(module: nn.Module, qualified: str) -> None:
-    """Name the regions ``module`` runs in (``model.layers.3``) when entered by checkpoint_call."""
-    _module_names[module] = qualified
-
-
-def unregister_name(module: nn.Module) -> None:
-    _module_names.pop(module, None)
-
-
-def _module_table(module: nn.Module, name: str, qualified: bool):
-    """A builder of ``id(submodule) -> name`` under ``module`` named ``name`` (paths below it
-    start with ``name.`` when that is a qualified name, as ``wrap`` names them)."""
-    prefix = f"{name}." if qualified else ""
-    return lambda: {id(m): prefix + n if n else name for n, m in module.named_modules()}
 
 
 def current_region() -> Region | None:
@@ -459,13 +395,13 @@ def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names
     qualified = False
     if name is None:
         if on is not None:
-            name = _module_names.get(on)
+            name = registered_name(on)
             qualified = name is not None
             name = name or type(on).__name__
         else:
             name = getattr(fn, "__qualname__", type(fn).__name__)
     if module_names is None and module is not None:
-        module_names = _module_table(module, name, qualified)
+        module_names = module_table(module, name, qualified)
     with Region(
         policy,
         name,

@@ -36,8 +36,8 @@ from torch import nn
 from ..checkpoint import checkpoint_call
 from ..decisions import hold
 from ..errors import CheckpointError
+from ..naming import register_name, unregister_name
 from ..policies import check_policy, offload_kept, recompute_all
-from ..region import register_name, unregister_name
 from ..selective import from_context_fn, is_noop_context_fn
 
 __all__ = ["disable", "enable"]

@@ -51,7 +51,8 @@ from ...decisions import (
     resolve,
 )
 from ...errors import CheckpointError
-from ...planners import MemoryBudget, closure, min_cut_keep, planner_of, problem
+from ...min_cut import min_cut_keep
+from ...planners import MemoryBudget, closure, planner_of, problem
 from ..fx_graph import build
 from ..vocab import DECISION, LABELS, MARK, SPECS, backward_nodes, region_key
 
