@@ -18,6 +18,8 @@ import pytest
 from . import collective_workers as cw
 from .zero.spawn import part, run_ranks
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 POLICIES = tuple(cw.POLICIES)
 
 

@@ -202,6 +202,7 @@ def test_split_results_are_views_of_the_projection_a_full_budget_keeps():
     assert not qkv & {n.name for n in part.replayed}
 
 
+@pytest.mark.slow
 def test_recompute_all_saves_what_torchs_checkpoint_saves_when_blocks_make_the_same_buffers():
     """Each MoE block makes the same zero buffers (``full``) and scatters into them; the
     partitioner's common-subexpression pass merges them into the first block's node. Tagged
@@ -415,6 +416,7 @@ def test_a_region_entered_from_a_graph_broken_compiled_frame_gives_eager_gradien
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_inductor_caches_never_serve_one_policy_the_partition_of_another():
     """Compiler caches hash a graph's code, not ``node.meta``: the region's key must be in the
     code (``tracedac::region``), or a model compiled again after the same code was compiled
@@ -528,6 +530,7 @@ def test_a_label_on_a_view_or_one_of_several_results_is_saved_compiled():
     assert "MUST_SAVE" in next(r.why for r in rows if str(r.op) == "aten.mm.default")
 
 
+@pytest.mark.slow
 def test_inductor_compiles_the_regions_fullgraph_dynamic_with_equal_gradients(reference, monkeypatch):
     import torch._inductor.config as inductor_config
 

@@ -5,6 +5,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 # Optional: the dev extra installs both; a machine without them skips these tests and says why.
 nbformat = pytest.importorskip("nbformat", reason="nbformat (in the dev extra) runs the notebooks")
 NotebookClient = pytest.importorskip(

@@ -23,6 +23,8 @@ from tracedac import policies
 from .test_opinfo import _Case, _same, _samples
 from .test_opinfo import _execute as _run
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 common_methods_invocations = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 
 BACKEND = "aot_eager_decomp_partition"

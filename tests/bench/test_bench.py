@@ -19,6 +19,8 @@ from benchmarks.child import ROOT
 from benchmarks.model import GPT, make_batch
 from tracedac.region import reporting
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 TRACEDAC = ("tracedac_recompute_all", "tracedac_save_matmuls")
 
 

@@ -2,10 +2,13 @@
 
 import functools
 
+import pytest
 import torch
 
 from benchmarks import compiled
 from benchmarks.model import GPT, make_batch
+
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 
 
 def test_step_times_in_turns_time_every_variant_without_a_recompile(monkeypatch):

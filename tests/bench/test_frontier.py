@@ -6,6 +6,8 @@ from benchmarks import frontier
 from benchmarks.compiled import QUICK, _equal_bytes
 from benchmarks.model import GPT, make_batch
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 
 def test_torchs_curve_is_read_at_the_same_bytes_on_its_lower_envelope():
     pts = [(0.0, 0, 100), (0.5, 50, 40), (0.6, 50, 60), (1.0, 100, 0)]

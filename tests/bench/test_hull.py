@@ -17,6 +17,8 @@ from tracedac.compile.report import partition
 from tracedac.inspect import record
 from tracedac.tradeoff import _Region
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 # Small programs where replay costs FLOPs: matmuls of three widths (through 4x12 and 4x2
 # intermediates: different FLOPs per byte) among pointwise ops that save their input, their
 # output or neither.

@@ -10,6 +10,8 @@ import torch
 from benchmarks import llama_steps
 from tracedac import replay_compiled as compiled
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 
 def _run(variants):
     threads = torch.get_num_threads()

@@ -8,6 +8,8 @@ import torch
 from benchmarks import planners
 from benchmarks.__main__ import main
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 
 @pytest.fixture(scope="module")
 def quick():

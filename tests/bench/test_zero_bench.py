@@ -21,6 +21,8 @@ from benchmarks import zero
 from benchmarks.__main__ import main
 from benchmarks.child import ROOT
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 TIMEOUT_S = 120
 ALWAYS = ("replicated", "tracedac_fp32", "fsdp2_fp32", "tracedac_bf16", "tracedac_auto", "fsdp2_bf16")
 

@@ -55,6 +55,7 @@ def held_after_forward(model, inputs, repeat: int = 3) -> int:
     return min(held)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_each_architecture_gives_torch_checkpoints_gradients_and_holds_its_bytes(kind):
     """Gradients bitwise equal to torch's checkpoint run by transformers (which is itself
@@ -75,6 +76,7 @@ def test_each_architecture_gives_torch_checkpoints_gradients_and_holds_its_bytes
     assert abs(held - torch_held) <= 0.05 * torch_held, (held, torch_held)
 
 
+@pytest.mark.slow
 def test_a_planner_under_hf_plans_once_per_layer_structure_and_python_memory_stays_flat():
     """transformers calls the checkpoint function with a new partial each step: the plan is
     found through it (both layers share one), and nothing accumulates step after step (the
@@ -223,6 +225,7 @@ def test_enable_refuses_a_model_without_transformers_switch():
         hf.enable(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_trainer_with_gradient_checkpointing_trains_with_tracedac_running_each_layer_once(tmp_path):
     """``TrainingArguments(activation_checkpointing=True)`` (transformers 5's name; the
     deprecated ``gradient_checkpointing=True`` does the same) makes the Trainer call the model's
@@ -277,6 +280,7 @@ def test_trainer_with_gradient_checkpointing_trains_with_tracedac_running_each_l
     assert not any(p.name != "out" for p in tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_lora_model_trains_its_adapters_as_without_checkpointing_holding_no_more_than_torch():
     """PEFT's LoRA on a frozen Llama: adapter gradients equal to no checkpointing; after the
     forward, recompute_all holds no more than torch's checkpoint, and save_all (which keeps

@@ -18,7 +18,10 @@ from tracedac.integrations import hf
 from ..support.hf_models import batch, build, loss
 from ..test_compile import fresh_dynamo  # noqa: F401  (autouse: dynamo reset around each test)
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.slow,
+]  # slow: not in the quick loop
 
 BACKEND = "aot_eager_decomp_partition"
 

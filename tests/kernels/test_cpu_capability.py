@@ -10,6 +10,7 @@ import pytest
 HERE = Path(__file__).parent
 
 
+@pytest.mark.slow
 def test_bit_exactness_holds_with_torchs_scalar_cpu_kernels():
     """With ATEN_CPU_CAPABILITY=default torch casts fp32 NaNs to bf16 0x7FC0 (not 0xFFFF) and
     bf16 NaNs to fp16 without their payload. The NaN rule is probed, not hard-coded, so the

@@ -11,6 +11,8 @@ import tracedac.zero as zero
 from . import auto_workers as aw
 from .spawn import run_ranks
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_auto_decides_from_the_first_forward_and_trains_as_the_module_list(world):

@@ -12,6 +12,8 @@ import torch
 from . import compile_workers as cw
 from .spawn import part, run_ranks
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 CASES = [
     ("plain", "per-block", None),
     ("plain", "whole", None),

@@ -13,6 +13,8 @@ import pytest
 from . import workers as w
 from .spawn import part, run_ranks
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 VARIANTS = ("plain", "wrap-before", "wrap-after", "inside-unit")
 
 

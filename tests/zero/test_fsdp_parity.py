@@ -11,6 +11,8 @@ import pytest
 from . import fsdp_workers as fw
 from .spawn import part, run_ranks
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 ALL = ("nesting", "outside", "torch_checkpoint", "no_sync", "meta_init", "dtype_change", "llama")
 WORLDS = {1: ALL, 2: ALL, 3: ("nesting", "outside", "meta_init")}
 

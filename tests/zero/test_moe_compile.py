@@ -4,10 +4,13 @@ fullgraph=True, equals the unsharded, uncheckpointed eager model step by step (l
 1e-5, token counts and the expert bias exactly). torchtitan turned fullgraph off for this
 model: FSDP2's hooks around MoE layers and checkpointing's re-run of the bias update."""
 
+import pytest
 import torch
 
 from . import moe_workers as mw
 from .spawn import run_ranks
+
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 
 
 def test_sharded_checkpointed_compiled_moe_with_a_load_balancing_bias_equals_eager():

@@ -18,6 +18,8 @@ from . import resume_workers as rw
 from . import workers as w
 from .spawn import run_ranks
 
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
