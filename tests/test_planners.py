@@ -283,6 +283,9 @@ def test_either_binds_the_planner_with_must_decisions():
 def test_planner_factories_refuse_bad_budgets_and_say_what_to_pass():
     with pytest.raises(ValueError, match=r"pass an int: memory_budget\(2000000\)"):
         policies.memory_budget(2e6)
+    # the bytes it names and the call it suggests agree (it once said "For 4 bytes ... (3)")
+    with pytest.raises(ValueError, match=r"For 3 bytes, pass an int: memory_budget\(3\); for a fraction"):
+        policies.memory_budget(3.7)
     with pytest.raises(ValueError, match="ambiguous"):
         policies.memory_budget(1)
     with pytest.raises(TypeError, match="fraction"):

@@ -408,3 +408,29 @@ def test_a_prefetched_gather_nobody_consumes_completes_when_its_pass_ends(world1
     ref(x, skip=0).sum().backward()
     torch.testing.assert_close(m.layers[1].weight.grad.full_tensor(), ref.layers[1].weight.grad)
     assert m.layers[0].weight.grad is None
+
+
+def test_one_rank_compiles_auto_mixed_precision_in_process_clips_and_reads_full_parameters(world1):
+    """The quick loop's pass over what the spawned tests check at length: a sharded model under
+    ``MixedPrecision("auto")`` compiled fullgraph in this process (the gather-cast, gather-tag and
+    prefetch passes), its loss that of the eager model, ``clip_grad_norm_`` equal to torch's on the
+    unsharded gradients, and ``full_parameters`` the unsharded values."""
+    import torch._dynamo
+
+    ref = w.model(tie=False)
+    m = zero.shard(w.model(tie=False), mixed_precision=zero.MixedPrecision("auto"))
+    x, y = w.data(0)
+    with torch.autocast("cpu", torch.bfloat16):
+        eager = F.mse_loss(m(x), y)  # "auto" decides its dtypes from this first forward
+        torch._dynamo.reset()
+        compiled = F.mse_loss(torch.compile(m, fullgraph=True, backend="aot_eager_decomp_partition")(x), y)
+    torch._dynamo.reset()
+    assert torch.equal(eager, compiled)
+    compiled.backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        F.mse_loss(ref(x), y).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    got = zero.clip_grad_norm_(m, 0.5)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=0)  # bf16 matmuls on both sides
+    with zero.full_parameters(m):
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
