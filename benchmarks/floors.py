@@ -76,8 +76,22 @@ class LeastRecorder(EmptyMode):
         mkwargs = {k: self._arg(v) for k, v in kwargs.items()}
         out = func._op(*args, **kwargs)
         flat = (out,) if isinstance(out, _Tensor) else out if isinstance(out, _SEQUENCES) else ()
-        self.ops.append((func, margs, mkwargs, [self.record(o) for o in flat if isinstance(o, _Tensor)]))
+        outs = [o for o in flat if isinstance(o, _Tensor)]
+        if not self._writes(func) and all(_address(o) in self.storages for o in outs):
+            return out  # an alias of what it read (``_unsafe_view``): as tracedac, nothing to record
+        self.ops.append((func, margs, mkwargs, [self.record(o) for o in outs]))
         return out
+
+    _writing: dict = {}  # id(op) -> whether its schema writes an argument, shared by every instance
+
+    def _writes(self, func) -> bool:
+        writes = self._writing.get(id(func))
+        if writes is None:
+            args = func._schema.arguments
+            writes = self._writing[id(func)] = any(
+                a.alias_info is not None and a.alias_info.is_write for a in args
+            )
+        return writes
 
     def pack(self, t: _Tensor) -> tuple:
         record = self.record(t)

@@ -112,7 +112,10 @@ def test_each_policy_changes_what_the_compiled_forward_saves():
         repr(p): region_bytes(model(p), x) for p in (policies.recompute_all(), policies.memory_budget(0.5))
     }
     report = tracedac.saved_report(torch.compile(model(policies.save_matmuls()), backend=BACKEND), x)
-    assert kept["recompute_all()"] < report.kept_bytes < full
+    # <= full: on torch >= 2.14, once tracedac's joint pass is installed (any earlier compiled
+    # region), the partitioner saves less of a model without regions too (docs/design.md,
+    # "Supported torch"), here exactly what save_matmuls keeps
+    assert kept["recompute_all()"] < report.kept_bytes <= full
     assert kept["memory_budget(0.5)"] <= 0.5 * full
     ops = [r.op for r in report.rows if r.kind == "activation" and "save_matmuls() -> MUST_SAVE" in r.why]
     assert ops == ["aten.addmm.default"] * 6  # up and down of each block (the router's argmax needs no grad)

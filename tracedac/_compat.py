@@ -1,8 +1,9 @@
 """Private torch API, and dynamo behaviour, that changed between the torch releases tracedac
-supports (>= 2.10), reached through one name each, so a torch upgrade that moves one breaks
-here only.
+supports (2.11 to 2.15), reached through one name each, so a torch upgrade that moves one
+breaks here only.
 
-Checked by running the test suite on torch 2.11 and 2.13 (docs/design.md, "Supported torch").
+Checked by running the test suite on torch 2.11, 2.13, 2.14.1 and 2.15.0 (docs/design.md,
+"Supported torch").
 """
 
 from __future__ import annotations

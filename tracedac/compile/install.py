@@ -33,7 +33,14 @@ __all__ = ["TagRegions", "install", "sources"]
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # tracedac/compile
 # beside compile/: what the passes decide with
-DEPENDS = ("decisions.py", "planners.py", "policies.py", "graph.py")
+DEPENDS = (
+    "decisions.py",
+    "_compat.py",
+    "min_cut.py",
+    "planners.py",
+    "policies.py",
+    "graph.py",
+)  # what the passes import
 
 
 def sources(root: str | None = None) -> list[str]:

@@ -16,6 +16,8 @@ from .vocab import SPECS
 
 __all__ = ["SPECS", "describe", "install_traced", "key_for"]
 
+_NAMED: dict[int, object] = {}  # every policy a compiled region named (``key_for``), by id
+
 
 def describe(policy) -> str:
     from ..policies import describe_policy
@@ -54,6 +56,10 @@ def key_for(policy, name: str) -> str:
         n += 1
         key = f"{base}#{n}"
     SPECS[key] = (policy, name)
+    # Held for the process once a compiled region names it: dynamo guards the region's code on
+    # ``id(policy)``, and a policy that died could leave its id to a different one, which would
+    # pass that guard and be served this policy's graph.
+    _NAMED[id(policy)] = policy
     return key
 
 
