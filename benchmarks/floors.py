@@ -20,7 +20,7 @@ __all__ = ["EmptyMode", "LeastRecorder", "under_empty_mode", "under_least_record
 
 _Tensor = torch.Tensor
 # A storage's address without making a Python storage object: the same lookup as tracedac's
-# recorder (tracedac/trace.py), written here so the benchmark reads no private name of tracedac.
+# recorder (tracedac/op_info.py's storage_address), written here so the benchmark stands alone.
 _address = getattr(torch._C, "_storage_address", None) or (lambda t: t.untyped_storage()._cdata)
 _SEQUENCES = (list, tuple)
 

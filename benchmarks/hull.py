@@ -46,7 +46,7 @@ def value_network(
     """The flow network whose minimum cut is the cheapest plan: keeping a group costs its bytes
     times ``per_byte`` (a ``free`` group: nothing), replaying a node its FLOPs times ``per_flop``
     (integers: the cut is exact, ``lam = per_flop / per_byte``).
-    Vertices ``("in"|"out", group, state)`` per value as in ``planners.min_cut_keep``, and
+    Vertices ``("in"|"out", group, state)`` per value as in ``min_cut.min_cut_keep``, and
     ``("run", i)`` per node: a replayed value (``in`` on the sink side) pulls its node's
     ``run`` there, paid once for all the node's results, and ``run`` pulls every input's
     ``out``. MUST decisions bind; ``keepable`` (group ids) limits what may be kept."""
