@@ -102,7 +102,7 @@ class _Result(unittest.TestResult):
             self.outcome, self.detail = "SKIP", reason
 
     def addExpectedFailure(self, test, err):
-        pass
+        pass  # an expected failure is a pass, as unittest counts it
 
     def addUnexpectedSuccess(self, test):
         self._fail("FAIL", (AssertionError, AssertionError("unexpected success"), None))

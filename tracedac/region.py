@@ -114,6 +114,7 @@ class Region:
         self.timing = False
         # whether anything may be offloaded (region exit then settles the host copies)
         self.offloads = getattr(policy, "offloads_kept", False)
+        self.reads_values = _reads_values(policy)  # the recorder hands such a policy the op's values
         if planner is not None:
             key = None if self.report else plan_key(policy, code, module, args, kwargs)
             self.planning = Planning(planner, key, offload=self.offloads)
@@ -345,6 +346,15 @@ class reporting:
     def __exit__(self, *exc):
         _local.reporting = self.previous
         return False
+
+
+def _reads_values(policy) -> bool:
+    """Whether ``policy``, or one it combines (``either``, ``offload_kept``), reads the values
+    of the op it decides (``trace.deciding``)."""
+    if getattr(policy, "reads_values", False):
+        return True
+    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
+    return any(p is not None and p is not policy and _reads_values(p) for p in inner)
 
 
 def current_region() -> Region | None:

@@ -156,6 +156,7 @@ class TorchSelective(Held):
     """A policy function of torch's selective checkpointing, asked per recorded node."""
 
     policy_fn: object
+    reads_values = True  # asked with the op's real tensors while it records (``trace.deciding``)
 
     def __call__(self, node) -> CheckpointPolicy:
         call = deciding(node)

@@ -430,12 +430,15 @@ class TracerMode(TorchDispatchMode):
             graph.times[node.index] = elapsed[1]
         if rng is not None:
             self.rng_last[rng[0]] = (node.index, rng[0].get_state())
-        outer = _local.__dict__.get("call")  # (a policy's own ops deciding in another region)
-        _local.call = (node, args, kwargs, out)  # for a policy that reads the op's values (``deciding``)
-        try:
+        if region.reads_values:  # a policy that reads the op's values (``deciding``): torch's SAC
+            outer = _local.__dict__.get("call")  # (a policy's own ops deciding in another region)
+            _local.call = (node, args, kwargs, out)
+            try:
+                keep = region.decide(node)
+            finally:
+                _local.call = outer  # holds the op's tensors: never past the decision
+        else:
             keep = region.decide(node)
-        finally:
-            _local.call = outer  # holds the op's tensors: never past the decision
         if not keep:
             return out
         # Held as the program's own tensors for now: a detach() down here, below autograd,
