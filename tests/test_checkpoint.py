@@ -1,6 +1,5 @@
 """The public ways to checkpoint, and the semantics a user relies on."""
 
-import contextlib
 import copy
 import functools
 
@@ -152,15 +151,12 @@ def test_checkpoint_call_has_torchs_calling_convention():
     assert torch.equal(got, expected) and calls == [1, 1]  # one eager call, one checkpointed
 
 
-def test_checkpoint_call_refuses_reentrant_and_a_context_fn_not_made_by_torchs_selective_checkpointing():
-    """torch's ``create_selective_checkpoint_contexts`` becomes a policy (test_selective.py);
-    any other pair of contexts would run code around a recomputation tracedac never does."""
+def test_checkpoint_call_refuses_reentrant_checkpointing_saying_what_to_pass():
+    """Reentrant checkpointing re-runs the forward in backward; tracedac records it instead.
+    (A ``context_fn`` is taken: test_selective.py, test_context_fn.py.)"""
     x = torch.randn(2, requires_grad=True)
-    with pytest.raises(CheckpointError, match="use_reentrant=False"):
+    with pytest.raises(CheckpointError, match="Pass use_reentrant=False"):
         checkpoint_call(torch.sin, x, use_reentrant=True)
-    foreign = lambda: (contextlib.nullcontext(), contextlib.nullcontext())  # noqa: E731
-    with pytest.raises(CheckpointError, match="policy=tracedac.policies.save_ops"):
-        checkpoint_call(torch.sin, x, use_reentrant=False, context_fn=foreign)
 
 
 def test_wrap_checkpoints_matching_modules_and_not_their_children():

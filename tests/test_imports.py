@@ -19,10 +19,10 @@ ROOT = pathlib.Path(tracedac.__file__).parent
 # Bottom first. A name is a top-level module or package of tracedac.
 LAYERS = (
     ("errors", "_compat", "kernels", "location", "naming"),
-    ("graph", "writes", "op_info", "decisions", "matching", "report", "offload"),
+    ("graph", "writes", "op_info", "decisions", "matching", "report", "offload", "subclasses", "link"),
     ("trace",),
     ("replay_compiled", "replay_plan", "replay"),
-    ("min_cut",),
+    ("min_cut", "offload_plan"),
     ("planners",),
     ("plan_cache",),
     ("policies",),

@@ -258,20 +258,58 @@ def test_asking_to_offload_offloads_and_gives_torchs_gradients(offload):
     assert report.kept_bytes == 0 and report.offloaded_bytes == 2 * 10 * 10 * 8
 
 
-FOREIGN = {
-    "two null contexts": lambda: (contextlib.nullcontext(), contextlib.nullcontext()),
-    "returns None": lambda: None,
-    "not callable": 3,
-}
+# A context_fn that is not torch's selective checkpointing: its contexts are entered around the
+# forward and each replay (tests/test_context_fn.py); here only where it meets a policy.
+NULL_PAIR = lambda: (contextlib.nullcontext(), contextlib.nullcontext())  # noqa: E731
 
 
-@pytest.mark.parametrize("context_fn", FOREIGN.values(), ids=FOREIGN.keys())
-def test_a_context_fn_not_made_by_torchs_selective_checkpointing_is_refused(context_fn):
-    """Any other context manager would run around torch's forward and recompute; tracedac runs
-    no recompute, so it cannot honour one, and says how to express the choice instead."""
-    x, y = _xy()
-    with pytest.raises(CheckpointError, match="policy=tracedac.policies.save_ops"):
-        checkpoint_call(torchs_example, x, y, use_reentrant=False, context_fn=context_fn)
+def save_sin(ctx, op, *args, **kwargs):
+    """The policy of torch's tests of a kept result: keep sin's, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op == aten.sin.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _eager_and_tracedac(fn, context_fn, backwards=1):
+    """Output and gradients (``backwards`` of them, with retain_graph) of ``fn`` run eagerly and
+    under tracedac with ``context_fn``."""
+    runs = []
+    for run in (
+        lambda f, x: f(x),
+        lambda f, x: checkpoint_call(f, x, use_reentrant=False, context_fn=context_fn),
+    ):
+        x = torch.randn(5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        out = run(fn, x)
+        grads = [torch.autograd.grad(out.sum(), x, retain_graph=True)[0] for _ in range(backwards)]
+        runs.append((out.detach(), grads))
+    return runs
+
+
+def test_a_second_backward_through_a_selective_region_gives_eagers_gradients_again():
+    """torch's selective checkpointing raises "Trying to backward an extra time" at the second
+    ``backward(retain_graph=True)`` (its cached results are consumed by the first): a
+    limitation it states, not a rule of autograd. A replay pass needs no cache, so tracedac
+    runs another and gives eager's gradients, as eager does with retain_graph."""
+    context_fn = functools.partial(create_selective_checkpoint_contexts, save_sin)
+    (want, want_grads), (got, got_grads) = _eager_and_tracedac(
+        lambda x: x.sin().cos().exp(), context_fn, backwards=2
+    )
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+
+
+@pytest.mark.parametrize("allow_cache_entry_mutation", [False, True])
+def test_a_kept_result_the_region_then_changes_in_place_gives_eagers_gradients(allow_cache_entry_mutation):
+    """``x.sin().mul_(2)`` with sin's result kept: torch's selective checkpointing raises
+    ("has been mutated"), or with ``allow_cache_entry_mutation=True`` replays ``mul_`` on the
+    kept tensor, already doubled, so that ``cos`` reads 4 sin(x) (torch 2.13's gradient then
+    differs from eager's). tracedac records the write and replays it on a private copy of the
+    state sin left (docs/design.md, "Mutation"): eager's gradients, either way."""
+    context_fn = functools.partial(
+        create_selective_checkpoint_contexts, save_sin, allow_cache_entry_mutation=allow_cache_entry_mutation
+    )
+    (want, want_grads), (got, got_grads) = _eager_and_tracedac(
+        lambda x: x.sin().mul_(2).cos().exp(), context_fn
+    )
+    assert torch.equal(got, want) and torch.equal(got_grads[0], want_grads[0])
 
 
 def test_a_policy_and_a_context_fn_together_are_refused():
@@ -362,10 +400,10 @@ def test_a_context_fn_works_inside_torch_compile():
     assert kept == ["torch_selective(save_mm) -> MUST_SAVE"]
 
     def foreign(x):
-        return checkpoint_call(lambda y: y.sin(), x, context_fn=FOREIGN["two null contexts"])
+        return checkpoint_call(lambda y: y.sin(), x, context_fn=NULL_PAIR)
 
     torch._dynamo.reset()
-    with pytest.raises(CheckpointError, match="not torch's selective checkpointing"):
+    with pytest.raises(CheckpointError, match="only run while the region is traced"):
         torch.compile(foreign, backend="aot_eager", fullgraph=True)(x)
 
 
@@ -415,6 +453,47 @@ def test_hugging_faces_gradient_checkpointing_kwargs_context_fn_runs_under_the_c
     hf.enable(model, policy=policies.save_matmuls())
     with pytest.raises(CheckpointError, match="each says what to keep"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    with pytest.raises(CheckpointError, match="not torch's selective checkpointing"):
-        foreign = {"context_fn": FOREIGN["two null contexts"]}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=foreign)
+    with pytest.raises(CheckpointError, match="not a pair"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": lambda: None})
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecated gradient_checkpointing_enable
+def test_hugging_faces_other_context_fn_is_entered_around_each_layers_forward_and_replay(llama):
+    """transformers passes gradient_checkpointing_kwargs to every layer's checkpoint call, so
+    torch calls context_fn once per layer call; so does tracedac, entering the forward context
+    around the layer's forward and the recompute context around its replay, under enable()'s
+    policy, with torch's gradients."""
+    from tracedac.integrations import hf
+
+    build, batch, loss = llama
+    calls, entered = [], []
+
+    @contextlib.contextmanager
+    def recompute():
+        entered.append(1)
+        yield
+
+    def context_fn():
+        calls.append(1)
+        return contextlib.nullcontext(), recompute()
+
+    kwargs = {"use_reentrant": False, "context_fn": context_fn}
+    inputs = batch()
+    reference = build("llama")
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # torch's checkpoint
+    out = loss(reference, inputs)
+    layers = len(calls)
+    assert layers == 2  # the tiny model's layers
+    want = torch.autograd.grad(out, [p for p in reference.parameters() if p.requires_grad])
+
+    model = build("llama")
+    hf.enable(model, policy=policies.save_matmuls())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    calls.clear()
+    entered.clear()
+    out = loss(model, inputs)
+    assert len(calls) == layers and entered == []
+    got = torch.autograd.grad(out, [p for p in model.parameters() if p.requires_grad])
+    assert len(entered) == layers
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.save_matmuls()

@@ -18,6 +18,9 @@ __all__ = [
     "class_forward",
     "graph_input_sources",
     "is_exporting",
+    "is_fake_type",
+    "is_wrapper_subclass",
+    "is_wrapper_subclass_type",
     "op_effect",
     "optimization_hint",
     "trace_time_error",
@@ -29,6 +32,26 @@ _VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 # A SymInt's concrete hint (or ``fallback`` when it has none): ``optimization_hint`` in torch
 # 2.13, ``hint_int`` in 2.11.
 optimization_hint = getattr(_symbolic_shapes, "optimization_hint", None) or _symbolic_shapes.hint_int
+
+
+def is_wrapper_subclass(t) -> bool:
+    """Whether ``t`` is a traceable wrapper subclass (``__tensor_flatten__``: DTensor, ...)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return is_traceable_wrapper_subclass(t)
+
+
+def is_wrapper_subclass_type(cls) -> bool:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+
+    return is_traceable_wrapper_subclass_type(cls)
+
+
+def is_fake_type(cls) -> bool:
+    """Whether tensors of type ``cls`` are fake (shapes only: DTensor's sharding propagation)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return issubclass(cls, FakeTensor)
 
 
 def is_exporting() -> bool:

@@ -21,7 +21,7 @@ from .errors import CheckpointError
 from .matching import module_matcher, no_match_error
 from .policies import check_policy, recompute_all
 from .region import Region, current_region, regions, run_region, tracing
-from .selective import is_noop_context_fn, policy_for_context_fn
+from .selective import COMPILED_FOREIGN, is_noop_context_fn, policy_for_context_fn
 
 __all__ = ["checkpoint", "checkpoint_call", "is_checkpointed", "name", "unwrap", "wrap"]
 
@@ -193,32 +193,46 @@ def checkpoint_call(
     ``early_stop`` are accepted and have nothing to do: random ops always replay the same
     numbers, and replay runs only what backward needs.
 
-    ``context_fn`` may be torch's selective checkpointing,
+    ``context_fn`` is called once per call, as torch calls it. torch's selective checkpointing,
     ``functools.partial(create_selective_checkpoint_contexts, policy_fn_or_list)`` (or a
-    lambda calling it): it becomes the tracedac policy deciding the same for the same ops, a
+    lambda calling it), becomes the tracedac policy deciding the same for the same ops, a
     list of ops ``save_ops(*ops)``, a policy function ``tracedac.selective.torch_selective(
-    policy_fn)`` (see ``tracedac.selective``). It replaces ``policy``; passing both is an
-    error. Any other ``context_fn`` is refused: tracedac runs no context manager around the
-    forward or its recomputation.
+    policy_fn)`` (see ``tracedac.selective``); it replaces ``policy``, and passing both is an
+    error. Any other ``context_fn`` returns a pair ``(forward_context, recompute_context)``:
+    the first is entered around the forward (inside the region: a dispatch mode sees the
+    program's ops, once), the second around each replay of the region in backward (it sees the
+    ops replay runs, never the Python); ``policy`` still says what is kept. Eager only: under
+    ``torch.compile`` such a ``context_fn`` is refused (``selective.Contexts``).
     """
     if use_reentrant:
+        also = (
+            ""
+            if is_noop_context_fn(context_fn)
+            else " (context_fn is only supported when use_reentrant=False)"
+        )
         raise CheckpointError(
             "tracedac.checkpoint_call does not run reentrant checkpointing (use_reentrant=True): "
-            "it records the forward instead of re-running it. Pass use_reentrant=False. With "
+            f"it records the forward instead of re-running it. Pass use_reentrant=False{also}. With "
             "Hugging Face transformers, enable tracedac with tracedac.integrations.hf.enable(model, "
             "policy=...) and leave use_reentrant out of gradient_checkpointing_kwargs (or set it "
             "to False); see README, 'Hugging Face transformers'."
         )
+    contexts = None
     if not is_noop_context_fn(context_fn):
-        selective = policy_for_context_fn(context_fn, "checkpoint_call")
-        if policy is not None:
+        selective, contexts = policy_for_context_fn(context_fn, "checkpoint_call")
+        if selective is not None and policy is not None:
             raise CheckpointError(
                 f"checkpoint_call got both policy={policy!r} and a context_fn (torch's selective "
                 f"checkpointing, read as {selective!r}); each says what to keep. Pass one of them."
             )
-        policy = selective
+        if contexts is not None and tracing(args, kwargs):
+            raise CheckpointError(
+                "checkpoint_call got a context_fn that is not torch's selective checkpointing. "
+                + COMPILED_FOREIGN
+            )
+        policy = selective if selective is not None else policy
     policy = _policy(policy)
-    return run_region(function, args, kwargs, policy)
+    return run_region(function, args, kwargs, policy, contexts=contexts)
 
 
 def wrap(model: nn.Module, match, policy=None) -> nn.Module:

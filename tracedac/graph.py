@@ -291,6 +291,9 @@ class RegionGraph:
         self.namer = _shape_name  # outside tensor -> a name for error messages
         self.times: dict[int, int] = {}  # node index -> ns the op took, if the region timed ops
         self.plan = None  # the last replay plan, reused while it still answers what is wanted
+        # None, or what gives the context entered around each replay pass (a context_fn's
+        # recompute context: ``selective.Contexts``)
+        self.recompute_context = None
         # True until the region ends. Meanwhile every write to a storage it saw is recorded
         # as it runs, so a held or outside tensor is in its group's latest recorded state,
         # whatever its version counter says; afterwards only the counter can tell whether

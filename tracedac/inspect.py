@@ -7,7 +7,7 @@ from torch import nn
 
 from .compile.report import compiled_target
 from .compile.report import report as compiled_report
-from .decisions import PREFER_SAVE, effect
+from .decisions import PREFER_CPU_OFFLOAD, PREFER_SAVE, effect
 from .errors import CheckpointError
 from .graph import RegionGraph
 from .planners import planner_of
@@ -31,6 +31,9 @@ def _why(policy: str, planner, node) -> str:
     if planner is not None and node.decision is PREFER_SAVE:
         name = repr(planner)
         return f"kept by {name}" + ("" if name == policy else f" in {policy}")
+    if node.decision is PREFER_CPU_OFFLOAD and getattr(planner, "offload", False) is not False:
+        name = repr(planner)  # a planner that chooses offloads (memory_budget(b, offload=True))
+        return f"offloaded by {name}" + ("" if name == policy else f" in {policy}")
     return f"{policy} -> {node.decision.name}"
 
 

@@ -28,20 +28,38 @@ def arg_refs(items, label: str) -> list:
     return refs
 
 
+def _storages(t: torch.Tensor, inside: str = ""):
+    """(storage address, where) of ``t``'s plain tensors: its own storage, or a tensor
+    subclass's inner tensors' (a DTensor parameter's local shard: " (its _local_tensor)")."""
+    if hasattr(type(t), "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            x = getattr(t, name)
+            if isinstance(x, torch.Tensor):
+                yield from _storages(x, f"{inside}.{name}" if inside else name)
+    else:
+        yield t.untyped_storage()._cdata, f" (its {inside})" if inside else ""
+
+
+def _find(cdata: int, t: torch.Tensor) -> str | None:
+    return next((where for c, where in _storages(t) if c == cdata), None)
+
+
 def describe(module_ref, arg_refs, prefix, t) -> str:
     """A name a person can find: an argument, a parameter's or buffer's qualified name, else a shape."""
     shape = f"of shape {list(t.shape)} ({t.dtype})"
     cdata = t.untyped_storage()._cdata
     for label, ref in arg_refs:
         a = ref()
-        if a is not None and a.untyped_storage()._cdata == cdata:
-            return f"{label} {shape}"
+        where = _find(cdata, a) if a is not None else None
+        if where is not None:
+            return f"{label}{where} {shape}"
     module = module_ref() if module_ref is not None else None
     if module is not None:
         for kind, items in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
             for n, p in items:
-                if p.untyped_storage()._cdata == cdata:
-                    return f"{kind} {prefix + n!r} {shape}"
+                where = _find(cdata, p)
+                if where is not None:
+                    return f"{kind} {prefix + n!r}{where} {shape}"
     return f"a tensor {shape}"
 
 

@@ -56,8 +56,8 @@ class PlanCache:
             self.entries.move_to_end(key)
         return entry
 
-    def put(self, key, signatures: tuple, keep: frozenset, context: tuple) -> None:
-        self.entries[key] = (signatures, keep, context)
+    def put(self, key, signatures: tuple, keep: frozenset, context: tuple, offload=frozenset()) -> None:
+        self.entries[key] = (signatures, keep, context, offload)
         self.entries.move_to_end(key)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
@@ -87,10 +87,12 @@ class Planning:
     storages, not nodes: of an op with several results (``native_layer_norm``'s output,
     mean and rstd) ``min_cut`` may keep some and not others.
 
-    An offload decision (MUST or PREFER) is fixed like a MUST: the planner does not choose
-    among keeping, offloading and replaying, it plans around what is offloaded (on the host:
-    no device bytes, and replay may start from it). With ``offload`` (``policies.offload_kept``)
-    what the plan keeps is offloaded instead (``PREFER_CPU_OFFLOAD``)."""
+    A policy's offload decision (MUST or PREFER) is fixed like a MUST: the planner plans around
+    it (on the host: no device bytes, and replay may start from it). A planner made with
+    ``offload`` chooses offloads of its own (``Planner.place``): those nodes are decided
+    ``PREFER_CPU_OFFLOAD``, copied to the host when recorded (a cached plan) or at the region's
+    end (a plan made there). With ``offload`` here (``policies.offload_kept``) what the plan
+    keeps is offloaded instead (``PREFER_CPU_OFFLOAD``)."""
 
     def __init__(self, planner: Planner, key, offload: bool = False):
         self.planner = planner
@@ -99,6 +101,7 @@ class Planning:
         entry = plans.get(key) if key is not None else None
         self.cached = entry  # (signatures, kept group ids) while the recording agrees with it
         self.keep = entry[1] if entry is not None else frozenset()
+        self.offload = entry[3] if entry is not None else frozenset()  # what the plan offloads
         self.signatures: dict[int, tuple] = {}
         self.undecided: set[int] = set()  # nodes recorded with no plan: the region's end decides
         self.planned_now = False
@@ -117,6 +120,9 @@ class Planning:
                 produced = [node.outputs[k].group for k in node.creates] + list(node.writes)
                 if any(g in self.keep for g in produced):
                     node.decision = self.kept_decision
+                    return self.planner.holds_unsaved
+                if any(g in self.offload for g in produced):
+                    node.decision = PREFER_CPU_OFFLOAD  # copied to the host when held or saved
                     return self.planner.holds_unsaved
                 node.decision = PREFER_RECOMPUTE
                 return False
@@ -156,8 +162,8 @@ class Planning:
         groups = graph.groups
         live = {s.meta.group for s in kept_slots} | {g.id for g in groups if g.held is not None}
         held = [g.id for g in groups if g.held is not None and g.node is not None]
-        keep = self.planner.choose(problem(graph, wanted, live, held))
-        keep = {g for g in keep if g in live}
+        keep, offload = self.planner.place(problem(graph, wanted, live, held))
+        keep, offload = {g for g in keep if g in live}, {g for g in offload if g in live}
         # Apply: the chosen storages stay; everything else held for the plan is let go.
         for node in graph.nodes:
             d = node.decision
@@ -169,19 +175,27 @@ class Planning:
                 continue
             if g.id in keep:
                 node.decision = self.kept_decision  # (offloaded by the region's end, if that)
+            elif g.id in offload:
+                node.decision = PREFER_CPU_OFFLOAD  # held until the region's end moves it to the host
             else:
                 g.held = None
         still = []
         for s in region.kept:
             g = groups[s.meta.group]
-            if s.exact or s.host is not None or g.id in keep or g.node.decision is MUST_SAVE:
+            if (
+                s.exact
+                or s.host is not None
+                or g.id in keep
+                or g.id in offload
+                or g.node.decision is MUST_SAVE
+            ):
                 still.append(s)
             else:
                 s.release()  # autograd's handle now rebuilds its value
         region.kept = still
         if self.key is not None:
             sigs = tuple(self.signatures[i] for i in range(len(graph.nodes)))
-            plans.put(self.key, sigs, frozenset(keep), context)
+            plans.put(self.key, sigs, frozenset(keep), context, frozenset(offload))
 
 
 def plan_key(policy, code, module, args, kwargs):

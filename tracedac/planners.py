@@ -14,9 +14,10 @@ them (their final state: a kept storage holds its last value). Keeping one costs
 ``memory_budget`` keeps the results of one op together (``bundles_of``).
 Both planners honour the MUST decisions of the policy they are combined with
 (``either(save_names("x"), memory_budget(0.3))``), and take a result the policy offloads
-(``MUST_CPU_OFFLOAD``, or ``PREFER_CPU_OFFLOAD``: they do not weigh offloading against
-keeping and replaying yet) as neither kept on the device nor replayed: it costs no budget
-and replay may start from it.
+(``MUST_CPU_OFFLOAD`` or ``PREFER_CPU_OFFLOAD``) as neither kept on the device nor replayed:
+it costs no budget and replay may start from it. With ``offload=True`` (or a ``Link``) they
+also choose what to offload themselves, weighing a copy over the link against a replay
+(``place``; the cost model is ``offload_plan``'s).
 
 A plan is made once for a region's structure and reused (``plan_cache.py``).
 """
@@ -33,7 +34,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .decisions import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, Held, effect, is_offload
 from .errors import CheckpointError
 from .graph import Node, RegionGraph, human_bytes, walk
+from .link import Link
 from .min_cut import min_cut_keep
+from .offload_plan import exchange, hide_bytes, placer
 
 __all__ = [
     "MemoryBudget",
@@ -308,24 +311,35 @@ class Planner(Held):
         return PREFER_RECOMPUTE
 
     def choose(self, p: Problem) -> set[int]:
-        """The group ids to keep (see ``Problem``)."""
+        """The group ids to keep on the device (see ``Problem``)."""
+        return self.place(p)[0]
+
+    def place(self, p: Problem) -> tuple[set[int], set[int]]:
+        """The group ids to keep on the device, and those to offload to host memory."""
         raise NotImplementedError
 
 
 @dataclass(frozen=True)
 class MemoryBudget(Planner):
     """Keep at most ``budget`` (a fraction of the bytes the region would keep without
-    checkpointing, or an int of bytes), replaying as little as possible."""
+    checkpointing, or an int of bytes), replaying as little as possible.
+
+    With ``offload`` (True: the link measured; or a ``Link``), each item is kept, offloaded
+    or replayed, for the least estimated step time within the budget: replay costs its
+    FLOPs / flop_rate, an offload the part of its copy out and back (bytes / bandwidth each
+    way) that the region's forward compute time does not hide, keeping only device bytes
+    (``offload_plan`` states the model)."""
 
     budget: float | int
     cost: str | Callable = "flops"
+    offload: bool | Link = False
 
     def bytes_for(self, full: int) -> int:
         if isinstance(self.budget, float):
             return int(self.budget * full)  # rounded down: never above the fraction
         return self.budget
 
-    def choose(self, p: Problem) -> set[int]:
+    def place(self, p: Problem) -> tuple[set[int], set[int]]:
         limit = max(0, self.bytes_for(p.full) - p.reserved)
         of = (
             f"{self.budget} of the {human_bytes(p.full)} kept without checkpointing"
@@ -337,8 +351,9 @@ class MemoryBudget(Planner):
         return self.prepare(p)(limit, self, of)
 
     def prepare(self, p: Problem):
-        """The knapsack for this problem, priced once: a function of the byte limit (and the
-        planner, for messages), so a sweep over budgets (``trade_off``) prices it once."""
+        """The plan for this problem, priced once: a function of the byte limit (and the
+        planner, for messages) returning (keep, offload), so a sweep over budgets
+        (``trade_off``) prices it once."""
         graph, items, forced_in, forced_out = p.graph, p.items, p.forced_in, p.forced_out
         groups = graph.groups
         forced = set(forced_in)
@@ -350,9 +365,15 @@ class MemoryBudget(Planner):
             if not any(g in fixed for g in b) and not all(g in forced for g in b)
         ]
         weights = [sum(groups[g].nbytes for g in b if g not in forced) for b in free]
-        values = costs(graph, free, self.cost, items)
+        costs_ = costs(graph, free, self.cost, items)
+        rate = exchange(graph, self.offload, self.cost) if self.offload is not False else math.inf
+        placing = None  # no offload, or no link to offload over: the knapsack alone
+        if not math.isinf(rate):
+            movable = [not any(g in forced for g in b) for b in free]  # an op's results move whole
+            host = sum(groups[g].nbytes for g in p.offloaded)
+            placing = placer(graph, self.cost, rate, costs_, weights, movable, host, MAX_CELLS)
 
-        def solve(limit: int, planner, of: str = "") -> set[int]:
+        def solve(limit: int, planner, of: str = "") -> tuple[set[int], set[int]]:
             if forced_bytes > limit:
                 names = ", ".join(sorted({groups[g].node.name for g in forced}))
                 raise CheckpointError(
@@ -361,24 +382,34 @@ class MemoryBudget(Planner):
                     f"{': ' + of if of else ''}). Raise the budget, or make those decisions "
                     "PREFER_SAVE so the budget may drop them."
                 )
-            chosen, _ = knapsack(weights, values, limit - forced_bytes)
-            return {g for i in chosen for g in free[i]} | forced
+            moved: list[int] = []
+            if placing is not None:
+                chosen, moved = placing(limit - forced_bytes)
+            if not moved:  # nothing worth offloading: the plan offload=False makes, exactly
+                chosen, _ = knapsack(weights, costs_, limit - forced_bytes)
+            return {g for i in chosen for g in free[i]} | forced, {g for i in moved for g in free[i]}
 
         return solve
 
     def __repr__(self) -> str:
         extra = "" if self.cost == "flops" else f", cost={self.cost!r}"
+        extra += "" if self.offload is False else f", offload={self.offload!r}"
         return f"memory_budget({self.budget!r}{extra})"
 
 
 @dataclass(frozen=True)
 class MinCut(Planner):
-    """Keep the fewest bytes from which everything backward needs replays, matmuls not replayed."""
+    """Keep the fewest bytes from which everything backward needs replays, matmuls not replayed.
+
+    With ``offload`` (True: the link measured; or a ``Link``), of what the cut keeps, as many
+    bytes go to host memory as the link moves out and back within the region's forward
+    compute time (copies hidden by compute: no added step time), whole ops' results at a time."""
 
     replay_matmuls: bool = False
+    offload: bool | Link = False
     holds_unsaved = True
 
-    def choose(self, p: Problem) -> set[int]:
+    def place(self, p: Problem) -> tuple[set[int], set[int]]:
         keep, _, _ = min_cut_keep(
             p.graph,
             p.wanted,
@@ -386,10 +417,30 @@ class MinCut(Planner):
             decisions=must_decisions(p.graph),
             keepable=p.live,
         )
-        return set(keep)
+        keep = set(keep)
+        if self.offload is False or not keep:
+            return keep, set()
+        groups = p.graph.groups
+        rate = exchange(p.graph, self.offload, "flops")
+        host = sum(groups[g].nbytes for g in p.offloaded)
+        hide = hide_bytes(p.graph, "flops", rate, host)
+        movable = [
+            b
+            for b in bundles_of(p.graph, sorted(keep))
+            if all(groups[g].node.decision is not MUST_SAVE and g not in p.kept_anyway for g in b)
+        ]
+        weights = [sum(groups[g].nbytes for g in b) for b in movable]
+        if math.isinf(hide):
+            chosen = range(len(movable))
+        else:  # the most bytes whose copies the compute hides
+            chosen, _ = knapsack(weights, [(w,) for w in weights], int(hide))
+        moved = {g for i in chosen for g in movable[i]}
+        return keep - moved, moved
 
     def __repr__(self) -> str:
-        return "min_cut(replay_matmuls=True)" if self.replay_matmuls else "min_cut()"
+        args = ["replay_matmuls=True"] if self.replay_matmuls else []
+        args += [] if self.offload is False else [f"offload={self.offload!r}"]
+        return f"min_cut({', '.join(args)})"
 
 
 def planner_of(policy):

@@ -39,12 +39,14 @@ from .decisions import (  # noqa: F401 (re-exported: callers found them here fir
     recompute_by_default,
 )
 from .errors import CheckpointError
+from .link import Link
 from .planners import MemoryBudget, MinCut, Planner
 
 # decision, is_save, RECOMPUTE_OPS and recompute_by_default live in .decisions (a leaf
 # module); they are re-exported here, where callers found them first.
 __all__ = [
     "CheckpointPolicy",
+    "Link",
     "MATMUL_OPS",
     "RECOMPUTE_OPS",
     "either",
@@ -315,7 +317,7 @@ def either(*policies) -> Either:
     return Either(tuple(flat))
 
 
-def memory_budget(budget, *, cost="flops") -> MemoryBudget:
+def memory_budget(budget, *, cost="flops", offload=False) -> MemoryBudget:
     """Keep at most ``budget`` and replay as little as possible (an exact 0-1 knapsack).
 
     ``budget`` is a float fraction in [0, 1] of the bytes the region would keep without
@@ -323,6 +325,13 @@ def memory_budget(budget, *, cost="flops") -> MemoryBudget:
     are alive anyway), or an int number of bytes. ``cost`` prices replaying a node:
     ``"flops"`` (torch's FLOP formulas; ops without one by the bytes they move), ``"time"``
     (each op's duration, measured while the region records), or a callable ``cost(node)``.
+
+    ``offload=True`` (or ``Link(bandwidth, flop_rate)``; figures left out are measured once per
+    device): each tensor is kept, offloaded to host memory or replayed, for the least estimated
+    step time within the budget. Replay costs its FLOPs / flop_rate; an offload costs its copy
+    out and back (bytes / bandwidth each way), less what the region's forward compute time
+    hides (copies overlap compute, each way up to that time); an offloaded tensor holds no
+    device bytes. ``Link(bandwidth=0)`` offloads nothing (the plan without offload).
     """
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(
@@ -348,16 +357,39 @@ def memory_budget(budget, *, cost="flops") -> MemoryBudget:
         raise ValueError(
             f"memory_budget(cost={cost!r}): cost is 'flops', 'time' or a callable cost(node) -> number"
         )
-    return MemoryBudget(budget, cost)
+    offload = _offload("memory_budget", offload)
+    if offload is not False and callable(cost):
+        raise ValueError(
+            f"memory_budget(cost={cost!r}, offload={offload!r}): a callable cost has no unit of time, and "
+            "offload weighs a replay against a copy's time. Use cost='flops' (priced at the device's "
+            "FLOP rate) or cost='time' (recorded durations) with offload."
+        )
+    return MemoryBudget(budget, cost, offload)
 
 
-def min_cut(*, replay_matmuls: bool = False) -> MinCut:
+def min_cut(*, replay_matmuls: bool = False, offload=False) -> MinCut:
     """Keep the fewest bytes from which everything backward needs can be replayed (a minimum
     cut of the recorded graph, bytes as capacities). Matmuls and attention are not replayed
-    unless ``replay_matmuls=True``: then nothing computed need be kept at all."""
+    unless ``replay_matmuls=True``: then nothing computed need be kept at all.
+
+    ``offload=True`` (or a ``Link``, as for ``memory_budget``): of what the cut keeps, as many
+    bytes as the link moves out and back within the region's forward compute time go to host
+    memory instead (copies the compute hides: no added estimated step time)."""
     if not isinstance(replay_matmuls, bool):
         raise TypeError(f"min_cut(replay_matmuls=...) takes a bool, got {replay_matmuls!r}")
-    return MinCut(replay_matmuls)
+    return MinCut(replay_matmuls, _offload("min_cut", offload))
+
+
+def _offload(factory: str, offload):
+    """``offload`` checked: False, True (the link measured), or a ``Link``; ``Link()`` is True."""
+    if isinstance(offload, Link):
+        return True if offload == Link() else offload
+    if not isinstance(offload, bool):
+        raise TypeError(
+            f"{factory}(offload={offload!r}): offload is True (the link and FLOP rate measured on the "
+            f"device), False, or tracedac.policies.Link(bandwidth=..., flop_rate=...) with the figures."
+        )
+    return offload
 
 
 def check_policy(policy) -> None:

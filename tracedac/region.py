@@ -11,7 +11,6 @@ The public ways to make one (``checkpoint``, ``checkpoint_call``, ``wrap``) are 
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import weakref
 
@@ -28,6 +27,7 @@ from .plan_cache import Planning, computation, plan_key
 from .planners import planner_of
 from .replay import Slot
 from .replay_plan import plan
+from .subclasses import is_subclass, saved
 from .trace import TracerMode
 
 __all__ = ["REBUILDERS", "Region", "current_region", "regions", "reporting", "run_region", "tracing"]
@@ -118,6 +118,8 @@ class Region:
         if planner is not None:
             key = None if self.report else plan_key(policy, code, module, args, kwargs)
             self.planning = Planning(planner, key, offload=self.offloads)
+            # a planner made with offload= may move results to the host too
+            self.offloads = self.offloads or getattr(planner, "offload", False) is not False
             self.timing = getattr(planner, "cost", None) == "time"
         self.tracer = TracerMode(self.graph, self)
         # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
@@ -168,10 +170,12 @@ class Region:
     def pack(self, t: torch.Tensor):
         handle = self._pack(t)
         if self.handles is not None:
-            self.handles.append(handle)
+            self.handles.extend(handle.leaves() if is_subclass(t) else (handle,))
         return handle
 
     def _pack(self, t: torch.Tensor):
+        if is_subclass(t):  # a DTensor (say): its inner tensors' handles (``subclasses.py``)
+            return saved(t, self._pack)
         # Autograd saves an op's inputs before the op reaches the tracer: an input seen for
         # the first time has no group yet.
         meta = self.tracer._meta(t)  # usually cached: an argument or result of the op just recorded
@@ -373,32 +377,19 @@ def tracing(args=(), kwargs=None) -> bool:
     return any(isinstance(a, _FakeTensor) for a in (*args, *(kwargs or {}).values()))
 
 
-def _waited(args, kwargs):
-    """Arguments with a functional collective's result made outside the region (an
-    ``AsyncCollectiveTensor``, which waits at its first use) waited for: the plain tensor it
-    wraps, with its history. The recorder refuses tensor subclasses, and a collective called in
-    a region is waited for at once anyway (``op_info._wait``)."""
-    fc = sys.modules.get("torch.distributed._functional_collectives")
-    if fc is None:  # never imported: no such tensor exists
-        return args, kwargs
-    wrapper = fc.AsyncCollectiveTensor
-    if not any(type(a) is wrapper for a in (*args, *(kwargs or {}).values())):
-        return args, kwargs
-    args = tuple(a.trigger_wait() if type(a) is wrapper else a for a in args)
-    return args, {k: v.trigger_wait() if type(v) is wrapper else v for k, v in (kwargs or {}).items()}
-
-
-def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names=None, report=False):
+def run_region(
+    fn, args, kwargs, policy, name=None, *, module=None, module_names=None, report=False, contexts=None
+):
     """Call ``fn`` once inside a region (or plainly when no gradient is being recorded).
 
     Without a ``name``, the region is named for the module ``fn`` runs on (its qualified
-    name if registered, else its class) or for the function.
+    name if registered, else its class) or for the function. ``contexts``: a context_fn's
+    (``selective.Contexts``), entered around the forward inside the region and around its replays.
     """
     if tracing(args, kwargs):  # under dynamo, make_fx, export or fake tensors: marked, not recorded
         return traced_region(fn, args, kwargs, policy, name or getattr(fn, "__qualname__", type(fn).__name__))
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    args, kwargs = _waited(args, kwargs)
     code, on, call_args, call_kwargs = computation(fn, args, kwargs)
     if module is None:
         module = on
@@ -422,7 +413,9 @@ def run_region(fn, args, kwargs, policy, name=None, *, module=None, module_names
         kwargs=call_kwargs,
         code=code,
         prefix=f"{name}." if qualified else "",
-    ):
+    ) as region:
+        if contexts is not None:
+            return contexts.run(region.graph, fn, args, kwargs)
         return fn(*args, **kwargs)
 
 

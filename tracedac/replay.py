@@ -277,7 +277,11 @@ def run_pass(graph: RegionGraph, caller: Slot) -> None:
 
 def _run_pass(graph: RegionGraph, caller: Slot) -> None:
     with unrecorded():  # replay inside a region that records: its ops are not the program's
-        _replay(graph, caller)
+        if graph.recompute_context is None:
+            _replay(graph, caller)
+            return
+        with graph.recompute_context():  # a context_fn's, entered per pass as torch does per recompute
+            _replay(graph, caller)
 
 
 def _replay(graph: RegionGraph, caller: Slot) -> None:

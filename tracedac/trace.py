@@ -21,12 +21,12 @@ from .graph import Group, Layout, Node, RegionGraph, TensorMeta, flatten_outputs
 from .location import current_module_path, user_source
 from .op_info import _INFO, op_info
 from .op_info import storage_address as _address
+from .subclasses import check_replayable, decline, has_subclass
 from .writes import writes_now
 
 __all__ = ["TracerMode", "deciding", "unrecorded"]
 
 _Tensor = torch.Tensor
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 _local = threading.local()  # ``unrecorded``'s switch
 _NO_KWARGS: dict = {}  # shared by every node without keyword arguments: never written
 _SEQUENCES = (list, tuple)
@@ -90,27 +90,6 @@ def _written_tensors(positions, args, kwargs):
             yield t
         elif t.__class__ in _SEQUENCES:
             yield from (x for x in t if isinstance(x, _Tensor))
-
-
-def _check_replayable(t: torch.Tensor, producer=None) -> None:
-    """Refuse what tracedac cannot replay: ``t`` reached an op, or ``producer`` returned it."""
-    where = "reached an op" if producer is None else f"was returned by {producer}"
-    if (
-        type(t) not in _PLAIN_TYPES
-        and type(t).__torch_dispatch__ is not torch._C._disabled_torch_dispatch_impl
-    ):
-        raise CheckpointError(
-            f"a {type(t).__name__} (a tensor subclass) {where} inside a checkpointed "
-            "region; tracedac records plain tensors only and could not replay it. Checkpoint "
-            "a region that does not take it, or unwrap it before the region."
-        )
-    if t.layout is not torch.strided or (t.is_complex() and (t.is_conj() or t.is_neg())):
-        raise CheckpointError(
-            f"a tensor with layout {t.layout} (or a lazy conjugate/negative bit) {where} "
-            "inside a checkpointed region; tracedac records and replays strided tensors on "
-            "storages only. Call .to_dense() / .resolve_conj() before the region, or do the "
-            "sparse (or other non-strided) work outside it."
-        )
 
 
 def _timed(func, args, kwargs) -> tuple:
@@ -229,12 +208,12 @@ class TracerMode(TorchDispatchMode):
         try:
             return self.storages.get(_address(t))
         except (RuntimeError, NotImplementedError):
-            _check_replayable(t)
+            check_replayable(t)
             raise
 
     def external(self, t: torch.Tensor) -> Group:
         """A new group for a storage from outside the region, which ``t`` lives on."""
-        _check_replayable(t)
+        check_replayable(t)
         g = self._new_group(t)
         g.external = t
         return g
@@ -328,6 +307,8 @@ class TracerMode(TorchDispatchMode):
         kwargs = kwargs or _NO_KWARGS
         if _local.__dict__.get("unrecorded"):  # replay running inside a region (``unrecorded``)
             return func._op(*args, **kwargs)
+        if types and has_subclass(types):  # recorded beneath the subclass (``subclasses.py``)
+            return decline(func, types, args, kwargs)
         info = _INFO.get(id(func))
         info = info[1] if info is not None else op_info(func)
         storages = self.storages
@@ -345,7 +326,7 @@ class TracerMode(TorchDispatchMode):
         # (so a view of an input is not taken for a new storage), and records what a writing
         # op read before it writes. Most arguments are the last op's results: cached metas.
         if info.layout_only:  # the first argument's values are no input: it ties the node to no storage
-            _check_replayable(args[0])
+            check_replayable(args[0])
             margs = (Layout(args[0]), *[self._arg(a) for a in args[1:]])
         else:
             margs = tuple([self._arg(a) for a in args])
@@ -391,7 +372,7 @@ class TracerMode(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):
             for o in flatten_outputs(out):
                 if isinstance(o, _Tensor):
-                    _check_replayable(o, func)
+                    check_replayable(o, func)
             raise
         if not created and not written:
             return out  # a view or a read: nothing to replay, nothing to keep

@@ -176,7 +176,7 @@ def test_disable_and_unwrap_put_back_every_flag_function_hook_and_attribute():
         ({"activation_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant=True"),
         (
             {"activation_checkpointing_kwargs": {"context_fn": lambda: None}},
-            "policy=tracedac.policies.save_ops",
+            "not a pair",
         ),
         (
             {"activation_checkpointing_kwargs": {"use_reentrant": False, "prserve_rng_state": True}},
@@ -200,11 +200,12 @@ def test_options_tracedac_would_not_honour_are_refused_and_point_to_the_document
         tracedac.checkpoint_call(torch.sin, torch.ones(1, requires_grad=True), use_reentrant=True)
 
 
-@pytest.mark.parametrize("policy", [policies.save_matmuls(), policies.memory_budget(0.3)])
+@pytest.mark.parametrize("policy", [policies.save_matmuls(), policies.save_all()])
 def test_offload_true_offloads_what_the_policy_keeps_with_the_same_gradients(policy):
     """transformers' ``offload=True`` (``save_on_cpu`` around torch's checkpoint) becomes
-    ``offload_kept(policy)``: what the policy would keep on the device goes to host memory
-    instead, the gradients unchanged bit for bit. A later call without it keeps again."""
+    ``offload_kept(policy)`` for a policy that is no planner: what it would keep on the device
+    goes to host memory instead, the gradients unchanged bit for bit. A later call without it
+    keeps again."""
     model, inputs = build("llama"), batch()
     hf.enable(model, policy=policy)
     want = grads(model, inputs)
@@ -218,6 +219,31 @@ def test_offload_true_offloads_what_the_policy_keeps_with_the_same_gradients(pol
     assert moved.offloaded_bytes == kept.kept_bytes
     model.activation_checkpointing_enable()
     assert model.model.layers[0]._gradient_checkpointing_func.policy == policy
+
+
+def test_offload_true_makes_a_planner_choose_among_keep_offload_and_replay_itself():
+    """With a planner, ``offload=True`` keeps the user's budget as the device's and lets the
+    planner weigh offloading (the link measured): ``memory_budget(b, offload=True)``, also inside
+    ``either``; the gradients are unchanged bit for bit, and a later call without it plans as
+    before."""
+    model, inputs = build("llama"), batch()
+    budget = policies.memory_budget(0.3)
+    hf.enable(model, policy=budget)
+    want = grads(model, inputs)
+    model.activation_checkpointing_enable(offload=True)
+    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.memory_budget(
+        0.3, offload=True
+    )
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), want, strict=True))  # (a cached plan)
+    model.activation_checkpointing_enable()
+    assert model.model.layers[0]._gradient_checkpointing_func.policy == budget
+    named = policies.either(policies.save_names("attn_out"), policies.min_cut())
+    hf.enable(model, policy=named)
+    model.activation_checkpointing_enable(offload=True)
+    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.either(
+        policies.save_names("attn_out"), policies.min_cut(offload=True)
+    )
 
 
 def test_enable_refuses_a_model_without_transformers_switch():

@@ -38,6 +38,8 @@ DEPENDS = (
     "_compat.py",
     "min_cut.py",
     "planners.py",
+    "offload_plan.py",
+    "link.py",
     "policies.py",
     "graph.py",
 )  # what the passes import

@@ -10,17 +10,23 @@ function in place of torch's, and stays the answer: the model's own
 ``activation_checkpointing_enable`` (which ``Trainer`` calls for
 ``TrainingArguments(gradient_checkpointing=True)``, and the deprecated
 ``gradient_checkpointing_enable`` forwards to) is replaced on the instance by one that does
-the same and puts tracedac back. Options torch's checkpoint takes that would change what is
-run (``use_reentrant=True``, a ``context_fn`` that is not torch's selective checkpointing)
-are refused with a ``CheckpointError`` saying what to do; the others have nothing to do
-under tracedac. ``offload=True`` (transformers' ``save_on_cpu`` around torch's checkpoint)
-becomes ``policies.offload_kept(policy)``: what the policy keeps goes to host memory instead
-of staying on the device. What transformers offloads under torch's checkpoint, each layer's
-input, tracedac holds as eager does (region inputs are not offloaded), so under the default
-``recompute_all()``, which keeps nothing computed in a layer, ``offload=True`` moves nothing.
+the same and puts tracedac back. ``use_reentrant=True``, which would change what is run, is
+refused with a ``CheckpointError`` saying what to do; the other options of torch's checkpoint
+have nothing to do under tracedac, except ``context_fn``. ``offload=True`` (transformers'
+``save_on_cpu`` around torch's checkpoint) lets the policy use host memory (``_offloading``):
+a planner (``memory_budget``, ``min_cut``, alone or in ``either``) is made with
+``offload=True`` and itself chooses what to keep, offload or replay, by the link's measured
+speed; any other policy becomes ``policies.offload_kept(policy)``: what it keeps goes to host
+memory instead of staying on the device. What transformers offloads under torch's
+checkpoint, each layer's input, tracedac holds as eager does (region inputs are not
+offloaded), so under the default ``recompute_all()``, which keeps nothing computed in a
+layer, ``offload=True`` moves nothing.
 A ``context_fn`` made by torch's ``create_selective_checkpoint_contexts`` is read as the
 tracedac policy deciding the same (``tracedac.selective``), and checkpoints the layers for
-that call of ``activation_checkpointing_enable`` in place of ``enable``'s default policy.
+that call of ``activation_checkpointing_enable`` in place of ``enable``'s default policy. Any
+other ``context_fn`` is passed on to every layer's call, as transformers passes it to torch's
+checkpoint: called once per call, its forward context entered around the layer's forward and
+its recompute context around each replay (``checkpoint_call``); the policy is ``enable``'s.
 
 Regions are named by the layer's qualified name (``model.layers.3``), relative to the model
 given to ``enable``. ``disable(model)`` (or ``tracedac.unwrap(model)``) puts back every flag,
@@ -37,8 +43,9 @@ from ..checkpoint import checkpoint_call
 from ..decisions import hold
 from ..errors import CheckpointError
 from ..naming import register_name, unregister_name
-from ..policies import check_policy, offload_kept, recompute_all
-from ..selective import from_context_fn, is_noop_context_fn
+from ..planners import MemoryBudget, MinCut
+from ..policies import Either, check_policy, either, memory_budget, min_cut, offload_kept, recompute_all
+from ..selective import is_noop_context_fn, read_context_fn
 
 __all__ = ["disable", "enable"]
 
@@ -65,7 +72,8 @@ def _pretrained(model: nn.Module):
 
 def _check_options(kwargs: dict | None):
     """Refuse what tracedac would not do as asked; say what to pass instead. Returns the
-    policy a ``context_fn`` of torch's selective checkpointing asks for, or None."""
+    policy a ``context_fn`` of torch's selective checkpointing asks for (or None), and any other
+    ``context_fn`` (or None), for each layer's call."""
     documented = (
         "Enable tracedac with tracedac.integrations.hf.enable(model, policy=...) and "
         "leave the option out of gradient_checkpointing_kwargs (TrainingArguments) or "
@@ -80,22 +88,20 @@ def _check_options(kwargs: dict | None):
             f"instead. {documented}"
         )
     context_fn = kwargs.get("context_fn")
-    selective = None
+    selective = foreign = None
     if not is_noop_context_fn(context_fn):
         try:
-            selective = from_context_fn(context_fn, "gradient_checkpointing_kwargs")
+            selective, contexts = read_context_fn(context_fn, "gradient_checkpointing_kwargs")
         except CheckpointError as e:
-            raise CheckpointError(
-                f"{e} Under Hugging Face, pass the choice as enable(model, policy="
-                f"tracedac.policies.save_ops(...)). {documented}"
-            ) from None
+            raise CheckpointError(f"{e} {documented}") from None
+        foreign = context_fn if contexts is not None else None  # (called again at each layer's call)
     unknown = sorted(set(kwargs) - _NO_OPS)
     if unknown:
         raise CheckpointError(
             f"activation checkpointing options {unknown} are not torch.utils.checkpoint options "
             f"tracedac knows (it accepts {sorted(_NO_OPS)}). {documented}"
         )
-    return selective
+    return selective, foreign
 
 
 class _Checkpointing:
@@ -109,6 +115,7 @@ class _Checkpointing:
         self.policy = policy  # what the layers run under now
         self.base = policy  # enable()'s: what a switch-on without a selective context_fn runs under
         self.explicit = explicit  # enable() was given a policy (a context_fn too is then ambiguous)
+        self.context_fn = None  # a context_fn not torch's selective checkpointing, for every call
         self.layers = []  # modules with a gradient_checkpointing flag: (module, flag, function)
         for m in model.modules():
             if hasattr(m, "gradient_checkpointing"):
@@ -128,15 +135,15 @@ class _Checkpointing:
 
     def __call__(self, function, *args, **kwargs):
         """What each layer calls in place of ``torch.utils.checkpoint.checkpoint``."""
-        return checkpoint_call(function, *args, policy=self.policy, **kwargs)
+        return checkpoint_call(function, *args, policy=self.policy, context_fn=self.context_fn, **kwargs)
 
     def __repr__(self) -> str:
         return f"tracedac.integrations.hf(policy={self.policy!r})"
 
     def switch_on(self, kwargs=None, every_n_layers: int = 1, offload: bool = False) -> None:
         """transformers' own activation_checkpointing_enable, then tracedac's function in each
-        layer; with ``offload``, what the policy keeps goes to host memory (``offload_kept``)."""
-        selective = _check_options(kwargs)
+        layer; with ``offload``, the policy may use host memory (``_offloading``)."""
+        selective, self.context_fn = _check_options(kwargs)
         if selective is not None and self.explicit:
             raise CheckpointError(
                 f"tracedac.integrations.hf.enable(model, policy={self.base!r}) was given a policy, and "
@@ -146,7 +153,7 @@ class _Checkpointing:
             )
         self.policy = self.base if selective is None else selective
         if offload:
-            self.policy = offload_kept(self.policy)  # (held by id from birth: a Held policy)
+            self.policy = _offloading(self.policy)  # (held by id from birth: a Held policy)
         model = self.model
         before = list(model.__dict__.get("_require_grads_hooks", ()))
         type(model).activation_checkpointing_enable(model, None, every_n_layers=every_n_layers)
@@ -177,6 +184,27 @@ class _Checkpointing:
             unregister_name(m)
         model.__dict__.pop("activation_checkpointing_enable", None)
         model.__dict__.pop("_tracedac", None)
+
+
+def _offloading(policy):
+    """What transformers' ``offload=True`` makes of ``policy``. A planner that can weigh an
+    offload against keeping and replaying is made to (``memory_budget(b, offload=True)``,
+    ``min_cut(offload=True)``, also inside ``either``): the user's budget stays the device's, and
+    the link's measured speed decides what goes to the host. Any other policy has what it keeps
+    offloaded (``offload_kept``), as ``save_on_cpu`` moves what torch's checkpoint saves."""
+    planners = [p for p in getattr(policy, "policies", (policy,)) if isinstance(p, (MemoryBudget, MinCut))]
+    if not planners or not isinstance(policy, (MemoryBudget, MinCut, Either)):
+        return offload_kept(policy)
+    (planner,) = planners
+    if planner.offload is not False:
+        return policy
+    if isinstance(planner, MemoryBudget):
+        moved = memory_budget(planner.budget, cost=planner.cost, offload=True)
+    else:
+        moved = min_cut(replay_matmuls=planner.replay_matmuls, offload=True)
+    if policy is planner:
+        return moved
+    return either(*(moved if p is planner else p for p in policy.policies))
 
 
 def _activation_checkpointing_enable(

@@ -153,6 +153,8 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
             _refuse_offload(graph.name, policy, node)
     if planner is None:
         return
+    if getattr(planner, "offload", False) is not False:  # it would choose offloads: refused as they are
+        _refuse_offload(graph.name, policy, None)
     for node in graph.nodes:
         if node.decision is not MUST_SAVE and node.decision is not MUST_RECOMPUTE:
             node.decision = None  # the planner's to decide
@@ -216,13 +218,15 @@ def _refuse_offload(name: str, policy, node) -> None:
     """torch's partitioner reads MUST_SAVE and the RECOMPUTE tags only: a CPU_OFFLOAD tag would
     be saved on the device as if kept (torch 2.13 offloads only behind a testing flag,
     ``torch._functorch.config.enable_activation_offloading``, and never by tag). Refused, so
-    that no plan silently keeps on the device what was to leave it."""
+    that no plan silently keeps on the device what was to leave it. ``node`` None: a planner
+    made with ``offload=``, refused whatever its plan would be."""
+    what = node.name if node is not None else "what its plan chooses to (a planner made with offload=)"
     raise CheckpointError(
         f"offload under torch.compile is not supported by torch {torch.__version__}'s partitioner; use "
         f"eager or a keep/replay policy (region {name!r}, policy {policy!r} asks to offload "
-        f"{node.name}). torch's partitioner does not act on CPU_OFFLOAD tags: they would be kept on "
+        f"{what}). torch's partitioner does not act on CPU_OFFLOAD tags: they would be kept on "
         "the device. Run this region eagerly (outside torch.compile) to offload, or compile it with "
-        "a policy that keeps or replays (save_ops, save_names, memory_budget)."
+        "a policy that keeps or replays (save_ops, save_names, memory_budget without offload=)."
     )
 
 
