@@ -6,7 +6,8 @@ planner benchmark (``planners``: ``memory_budget`` against torch.compile's
 ``activation_memory_budget`` on a small Llama); ``--compile`` checkpointing inside one
 ``torch.compile`` graph (``compiled``); ``--zero``, under
 ``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``; with
-``--compile``, compiled); ``--profile``
+``--compile``, compiled); ``--ep`` checkpoints an expert-parallel MoE on ``--ranks`` gloo
+ranks it starts itself and counts the collectives (``ep``); ``--profile``
 breaks one step down with torch.profiler (``profile``); ``--llama`` times a Llama-style decoder,
 the issue-18 GPU comparison (``llama_steps``). Progress goes to
 stderr, the table to stdout, and ``--json PATH`` writes every figure. Performance goals
@@ -119,6 +120,21 @@ def _parser() -> argparse.ArgumentParser:
         "`torchrun --nproc-per-node 2 -m benchmarks --zero`",
     )
     p.add_argument(
+        "--ep",
+        action="store_true",
+        help="checkpoint an expert-parallel MoE instead (ep.py): all-to-alls per step, bytes held "
+        "after forward, step time and gradient difference under torch's checkpoint, its selective "
+        "checkpointing saving the all-to-alls, and tracedac; starts --ranks gloo processes itself "
+        "(size flags --layers --dim --experts --top-k --expert-hidden, and --batch x --seq tokens "
+        "split over the ranks, apply; --steps, --quick, --json too)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="with --ep: how many ranks (processes, one thread each) to start (2)",
+    )
+    p.add_argument(
         "--init-method",
         default="env://",
         help="with --zero: the process group's rendezvous "
@@ -151,6 +167,8 @@ def _write_json(path: str, figures: dict) -> None:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.ranks is not None and not args.ep:
+        parser.error("--ranks is for --ep, which starts its own ranks; --zero runs under torchrun")
     if args.compiled_replay:
         import tracedac
 
@@ -186,6 +204,24 @@ def main(argv=None) -> int:
         print(planners.format_report(figures))
     elif args.zero:  # with --compile too: the compiled ZeRO rows
         return _zero(parser, args)
+    elif args.ep:
+        from . import ep, probe
+
+        world = ep.RANKS if args.ranks is None else args.ranks
+        steps = ep.STEPS if args.steps is None else args.steps
+        cfg = ep.QUICK if args.quick else _config(args)
+        try:
+            ep.check_settings(cfg, min(steps, 2) if args.quick else steps, world)
+        except (ValueError, probe.ProbeUnavailable) as e:
+            parser.error(str(e))
+        figures = ep.run(
+            _config(args),
+            world=world,
+            steps=steps,
+            quick=args.quick,
+            progress=None if args.quiet else sys.stderr,
+        )
+        print(ep.format_report(figures))
     elif args.compile:
         from . import compiled
 

@@ -1,0 +1,250 @@
+"""Zero + expert parallel on each rank (imported by spawned processes: top-level).
+
+An MoE model whose dense parts (embedding, norms, routers, head) are sharded by
+``zero.shard`` over every rank while its experts are expert-parallel: ``E`` experts, each
+held by one rank (``E // world`` per rank, in a ``ModuleDict`` keyed by the expert's global
+index, so a checkpoint names every expert once, from the rank that holds it). Tokens go to
+their expert's rank with ``all_to_all_single_autograd`` (uneven splits, different on every
+rank) and come back the same way. The experts are sharded by ``zero.shard`` too, each rank's
+over a process group of its own (their sub-mesh: one rank, as torchtitan's
+``dp_shard_mod_ep`` is when expert and data parallel span the same ranks), before the model
+is: the model's ``shard`` takes what they did not. Every block is a tracedac region.
+
+The oracle: the same model with all experts in one process, unsharded, uncheckpointed, on the
+whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import _functional_collectives as fc
+
+import tracedac
+import tracedac.zero as zero
+
+D, H, E = 16, 24, 4  # width, expert hidden, experts (E divides by the world sizes used: 1, 2)
+BATCH, STEPS, SAVE_AFTER = 16, 3, 2  # global batch; AdamW steps; the checkpoint's step
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+
+    def forward(self, x):  # [n, D]
+        return self.down(F.gelu(self.up(x)))
+
+
+class Experts(nn.ModuleDict):
+    """The experts this rank holds, keyed by global index from ``first``."""
+
+    def __init__(self, first: int, count: int):
+        super().__init__({str(first + i): Expert() for i in range(count)})
+        self.first = first
+
+    def forward(self, tokens, ids):  # [n, D], [n]: each token with its expert's global index
+        order = ids.argsort(stable=True)
+        counts = torch.bincount(ids - self.first, minlength=len(self)).tolist()
+        outs = [expert(chunk) for expert, chunk in zip(self.values(), tokens[order].split(counts))]
+        return torch.zeros_like(tokens).index_copy(0, order, torch.cat(outs))
+
+
+class MoE(nn.Module):
+    """Top-1 routing to ``E`` experts spread over ``world`` ranks (``group``'s); counts its
+    tokens per expert (a router side effect: once per step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts = Experts(0, E)
+        # per-rank counts (each rank's own tokens): not in the checkpoint, as torchtitan's
+        self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.long), persistent=False)
+        self.group, self.world = None, 1
+
+    def localize(self, group) -> None:
+        """Keep only this rank's experts; route over ``group``."""
+        self.group, self.world = group, dist.get_world_size(group)
+        per, rank = E // self.world, dist.get_rank(group)
+        kept = Experts(rank * per, per)
+        for key in kept:
+            kept[key] = self.experts[key]
+        self.experts = kept
+
+    def forward(self, x):  # [T, D]
+        h = self.norm(x)
+        weight, expert = self.router(h).softmax(-1).max(-1)  # [T], [T]
+        self.tokens_per_expert.add_(torch.bincount(expert, minlength=E))
+        order = expert.argsort(stable=True)
+        ids, tokens = expert[order], h[order]  # grouped by expert, so by destination rank
+        if self.world > 1:
+            send = torch.bincount(ids // (E // self.world), minlength=self.world)
+            recv = fc.all_to_all_single(send, None, None, self.group)
+            send, recv = send.tolist(), recv.tolist()  # uneven, and not the same on every rank
+            tokens = fc.all_to_all_single_autograd(tokens, recv, send, self.group)
+            ids = fc.all_to_all_single(ids, recv, send, self.group)
+        out = self.experts(tokens, ids)
+        if self.world > 1:
+            out = fc.all_to_all_single_autograd(out, send, recv, self.group)
+        y = torch.zeros_like(out).index_copy(0, order, out)
+        return x + y * weight.unsqueeze(-1)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe = MoE()
+        self.norm = nn.LayerNorm(D)
+        self.mlp = nn.Linear(D, D)
+
+    def forward(self, x):
+        x = self.moe(x)
+        return x + self.mlp(self.norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, n=2):
+        super().__init__()
+        self.embed = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h).squeeze(-1)
+
+    def experts(self) -> list[nn.Parameter]:
+        return [p for b in self.blocks for p in b.moe.experts.parameters()]
+
+
+def seeded() -> Model:
+    torch.manual_seed(0)
+    return Model()
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(11 + step)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, generator=g)
+
+
+def rank_batch(step, rank, world):
+    per = BATCH // world
+    return tuple(t[rank * per : (rank + 1) * per] for t in batch(step))
+
+
+def optimizer(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def counts(model) -> list[list[int]]:
+    return [b.moe.tokens_per_expert.tolist() for b in model.blocks]
+
+
+def reference() -> dict:
+    """The oracle: losses, token counts and final parameters of the unsharded model (every
+    expert in this process), uncheckpointed, on the whole batch."""
+    model = seeded()
+    opt = optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return {"losses": losses, "counts": counts(model), "params": params}
+
+
+def build(rank, world, policy):
+    """The EP model on this rank: experts kept and sharded over their one-rank group, the rest
+    over the world, every block a tracedac region under ``policy``."""
+    own = [dist.new_group([r]) for r in range(world)][rank]  # every rank makes every group
+    model = seeded()
+    for b in model.blocks:
+        b.moe.localize(dist.group.WORLD)
+        zero.shard(b.moe.experts, group=own)  # the experts' sub-mesh: this rank alone
+    zero.shard(model)  # the dense parts, over every rank
+    tracedac.wrap(model, Block, policy=policy)
+    return model
+
+
+def step(model, opt, rank, world, step_index) -> float:
+    """One AdamW step on this rank's slice; returns the loss of the whole batch."""
+    x, y = rank_batch(step_index, rank, world)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    # zero's reduce-scatter averages the dense gradients over the ranks. An expert's gradient
+    # already sums every rank's tokens (they came to it), and its group of one averages over
+    # one: divide by the data-parallel ranks, as torchtitan's gradient_divide_factor does.
+    with torch.no_grad():
+        for p in model.experts():
+            p.grad.div_(world)
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+POLICIES = {
+    "recompute_all": tracedac.policies.recompute_all,
+    "memory_budget(0.5)": lambda: tracedac.policies.memory_budget(0.5),
+}
+
+
+def load(path, model, opt) -> None:
+    """torch's own calls, which ``zero.load_checkpoint`` makes after checking that every entry
+    of the checkpoint is the model's: here each rank holds only its experts, and the
+    checkpoint has every rank's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _full(model) -> dict:
+    """Every parameter this rank holds, as full tensors under the model's keys."""
+    return {k: v.full_tensor().clone() for k, v in model.named_parameters()}
+
+
+def train(rank, world, path):
+    """Per policy: losses of ``STEPS`` steps, token counts summed over ranks, this rank's full
+    parameters; then the losses after ``SAVE_AFTER`` of resuming from a DCP checkpoint saved
+    there, into a freshly built model and optimizer."""
+    out = {}
+    for name, policy in POLICIES.items():
+        model = build(rank, world, policy())
+        opt = optimizer(model)
+        losses = []
+        for i in range(STEPS):
+            losses.append(step(model, opt, rank, world, i))
+            if i + 1 == SAVE_AFTER:
+                zero.save_checkpoint(f"{path}/{name}", model, opt)
+        summed = torch.tensor(counts(model))
+        dist.all_reduce(summed)
+        resumed_model = build(rank, world, policy())
+        resumed_opt = optimizer(resumed_model)
+        load(f"{path}/{name}", resumed_model, resumed_opt)
+        resumed = [step(resumed_model, resumed_opt, rank, world, i) for i in range(SAVE_AFTER, STEPS)]
+        out[name] = {
+            "losses": losses,
+            "counts": summed.tolist(),
+            "params": _full(model),
+            "resumed": resumed,
+            "resumed_params": _full(resumed_model),
+            "experts": sorted(
+                {k.split(".experts.")[1].split(".")[0] for k in model.state_dict() if ".experts." in k}
+            ),
+        }
+    return out
