@@ -48,6 +48,10 @@ def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twi
     assert "tracedac.checkpoint        256 tokens counted (true count 256)" in text
     assert "attention_only -> MUST_SAVE" in text and "save_matmuls() -> MUST_SAVE" in text
     assert "CheckpointError: buffer 'expert_bias'" in text
+    assert "no checkpoint                all-to-alls: 3 in forward, 2 in backward" in text
+    assert "torch.utils.checkpoint       all-to-alls: 3 in forward, 5 in backward" in text
+    assert "tracedac recompute_all       all-to-alls: 3 in forward, 2 in backward" in text
+    assert "tracedac memory_budget(0.3)  all-to-alls: 3 in forward, 2 in backward" in text
 
 
 def test_the_memory_budget_notebook_sweeps_plots_picks_and_reports(tmp_path):
