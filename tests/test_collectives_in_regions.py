@@ -79,8 +79,9 @@ def test_an_in_place_torch_distributed_all_reduce_in_a_region_is_kept_not_lost(e
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_region_takes_a_functional_collectives_async_result_made_outside_it(eager_ranks, policy):
     """An expert checkpointed between two all-to-alls gets the first one's AsyncCollectiveTensor
-    (a tensor subclass, refused inside a region): the region waits for it and records the plain
-    tensor it wraps. Nothing is sent again; gradients are the uncheckpointed expert's."""
+    (a tensor subclass that waits at its first use): its own dispatch waits, and the region
+    records the plain ops beneath it (docs/design.md, "Tensor subclasses"). Nothing is sent
+    again; gradients are the uncheckpointed expert's."""
     for r in part(eager_ranks, "outside"):
         assert r["type"] == "AsyncCollectiveTensor", r["type"]
         assert r[policy][:2] == r["plain"], (r["plain"], r[policy])

@@ -45,12 +45,11 @@ def has_subclass(types) -> bool:
 
 def _unreplayable(t: torch.Tensor, where: str) -> CheckpointError:
     return CheckpointError(
-        f"a {type(t).__name__} (a tensor subclass) {where} inside a checkpointed region. "
-        "tracedac records a subclass's ops beneath it and saves its inner tensors, which takes "
-        "a traceable wrapper subclass (one that defines __tensor_flatten__ and "
-        "__tensor_unflatten__, as DTensor does); this one does not, so it could not be rebuilt "
-        "for backward. Define those two methods, checkpoint a region that does not take it, "
-        "or unwrap it before the region."
+        f"a {type(t).__name__} (a tensor subclass) {where} inside a checkpointed region, where "
+        "tracedac expected a plain tensor: it records the plain ops beneath a subclass's own "
+        "dispatch, and this subclass reached the recorder itself (an op on plain tensors that "
+        "returns one), so it could not be replayed. Make it outside the region, or checkpoint "
+        "a region that does not make it."
     )
 
 
