@@ -10,6 +10,7 @@ from torch import nn
 from .errors import ZeroError
 from .module import sharded
 from .state_dict import _full_parameters
+from .tp import local_value
 
 __all__ = ["full_parameters"]
 
@@ -54,5 +55,5 @@ def full_parameters(module: nn.Module, *, writeback: bool = True):
                             value = now  # replaced by assignment: its value is what was meant
                         m._parameters[attr] = s.param
                     if writeback:
-                        s.local(g.local).copy_(s.rows_of(value.detach(), g.rank, g.world))
+                        s.local(g.local).copy_(s.rows_of(local_value(s, value.detach()), g.rank, g.world))
                 g.summoned = False

@@ -38,7 +38,7 @@ __all__ = [
 class Slice:
     """One parameter's place in its group: its shape, its chunk, its offset in ``local``."""
 
-    __slots__ = ("fqn", "shape", "numel", "chunk", "offset", "local_shape", "spec", "param", "uses")
+    __slots__ = ("fqn", "shape", "numel", "chunk", "offset", "local_shape", "spec", "param", "uses", "tp")
 
     def __init__(self, fqn: str, shape: torch.Size, world: int, rank: int, offset: int):
         self.fqn = fqn  # the first name it was found under, for messages
@@ -53,6 +53,9 @@ class Slice:
         self.spec = None  # DTensorSpec, once the mesh is known
         self.param = None  # the DTensor nn.Parameter
         self.uses: list = []  # (module, attr): every place the model holds it
+        # a tensor-parallel parameter's own DTensorSpec (``tp.py``): ``shape`` is then its
+        # TP-local shape, what the group gathers; None for a plain parameter
+        self.tp = None
 
     def local(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's rows, a view of ``flat`` (the rank's buffer or a gradient of its shape)."""

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .errors import ZeroError
 from .layout import spec_for
+from .tp import local_value
 
 __all__ = ["Sharded", "ZeroModule", "sharded"]
 
@@ -31,6 +32,8 @@ class Sharded:
         self.groups = groups  # the flat groups this call made
         self.mixed_precision = mixed_precision
         self.mesh = mesh
+        self.dp_dim = 0  # the mesh dimension sharded over (N-D with tensor parallel: tp.py)
+        self.checkpoint_group = None  # DCP's over an N-D mesh (tp.checkpoint_group)
         self.state = state
         self.children = children  # Sharded of submodules sharded before (FSDP2's nesting)
         self.parent: Sharded | None = None
@@ -117,6 +120,13 @@ class ZeroModule:
         mesh = z.mesh
         for g, new in zip(groups, moved):
             if new is not g.local and new.device != g.local.device and new.device.type != mesh.device_type:
+                if mesh.ndim > 1:
+                    raise ZeroError(
+                        f"{type(self).__name__} is sharded by tracedac.zero with tensor parallel on a "
+                        f"{mesh.device_type!r} mesh; moving it to {new.device.type!r} would leave its "
+                        "DTensors on a mesh of the other device type. Build the mesh and the model on "
+                        "the device you train on, then parallelize and shard."
+                    )
                 mesh = _mesh(g.group, new.device)
                 break
         _applying.on = True
@@ -210,10 +220,10 @@ class _Reattach:
                     rows = new.to_local()  # already this rank's Shard(0) rows: no communication
                 else:
                     full = new.full_tensor() if isinstance(new, DTensor) else new
-                    if full.shape != s.shape:
+                    if full.shape != s.spec.shape:
                         raise ZeroError(
                             f"load_state_dict(assign=True) gave {s.fqn!r} the shape "
-                            f"{tuple(full.shape)}; the sharded parameter has {tuple(s.shape)}."
+                            f"{tuple(full.shape)}; the sharded parameter has {tuple(s.spec.shape)}."
                         )
-                    rows = s.rows_of(full, g.rank, g.world)
+                    rows = s.rows_of(local_value(s, full), g.rank, g.world)
                 s.local(g.local).copy_(rows)

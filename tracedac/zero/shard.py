@@ -23,6 +23,8 @@ from .group import FlatGroup
 from .layout import make_slices, spec_for
 from .module import Sharded, _as_zero_module, _mesh, _Reattach
 from .prefetch import Prefetch
+from .tp import mesh_for as tp_mesh_for
+from .tp import spec as tp_spec
 from .unit import Unit, _Autocast, _Lazy, _Slot, _UnitForward
 
 __all__ = ["MixedPrecision", "shard"]
@@ -132,7 +134,7 @@ def _check_same_models(meta: list, group) -> None:
                 break
         raise ZeroError(
             f"ranks 0 and {rank} are sharding different models: parameter {i} is {a} on rank 0 "
-            f"but {b} on rank {rank} (unit, name, shape, dtype, requires_grad). Every rank must "
+            f"but {b} on rank {rank} (unit, name, shape, dtype, requires_grad, placements). Every rank must "
             "build the same model before shard(); check rank-dependent construction code."
         )
 
@@ -195,6 +197,9 @@ def shard(
     order check for them) in the order the last pass ran them.
     ``timeout`` (seconds or a timedelta) bounds every wait on a collective: a rank that
     dies makes the others raise.
+    Tensor parallel: a parameter ``parallelize_module`` made a DTensor on ``mesh["tp"]`` is
+    sharded by its local tensor over ``group = mesh["dp"].get_group()``; forward reads the TP
+    DTensor, optimizers and DCP a DTensor on the 2-D mesh (``tp.py``).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
@@ -224,20 +229,16 @@ def shard(
     uses = [u for u in all_uses if getattr(u.param, "_tracedac_group", None) is None]
     # Compared before anything a rank could refuse alone: a rank raising early would
     # leave the others waiting in this collective.
-    meta = [(u.unit, u.fqn, tuple(u.param.shape), str(u.param.dtype), u.param.requires_grad) for u in uses]
+    meta = [
+        (u.unit, u.fqn, tuple(u.param.shape), str(u.param.dtype), u.param.requires_grad, _placements(u.param))
+        for u in uses
+    ]
     _arrive(group, timeout)
     _check_same_models(meta, group)
     for u in uses:
-        if (
-            u.param.dtype != torch.float32
-            or u.param.is_sparse
-            or u.param.dim() == 0
-            or isinstance(u.param, DTensor)
-        ):
+        if u.param.dtype != torch.float32 or u.param.is_sparse or u.param.dim() == 0:
             what = (
-                "a DTensor already"
-                if isinstance(u.param, DTensor)
-                else "0-dimensional"
+                "0-dimensional"
                 if u.param.dim() == 0
                 else f"{u.param.dtype}{' sparse' if u.param.is_sparse else ''}"
             )
@@ -246,12 +247,20 @@ def shard(
                 "dimension as Shard(0) pieces. Build the model in float32 (pass mixed_precision="
                 "MixedPrecision(...) to compute in bf16) and give a scalar parameter the shape (1,)."
             )
+    tp = [(u.fqn, u.param._spec) for u in uses if isinstance(u.param, DTensor)]
+    if tp and mixed_precision is not None and mixed_precision.param_dtype == "auto":
+        raise ZeroError(
+            f'shard(mixed_precision=MixedPrecision("auto")) with tensor-parallel parameters ({tp[0][0]!r} '
+            'is a DTensor): "auto" decides each group\'s dtype by watching the gathered parameters '
+            "being read, and tensor parallel reads DTensors made from them, which it does not follow "
+            "yet. Pass MixedPrecision(param_dtype=torch.bfloat16), or no mixed_precision."
+        )
     device = uses[0].param.device if uses else torch.device("cpu")
-    mesh = _mesh(group, device)
+    mesh, dp_dim = tp_mesh_for(group, tp, children) or (_mesh(group, device), 0)
     modules = {"": module, **{name: module.get_submodule(name) for name in chosen.values()}}
     units_by_name = {name: Unit(name, m) for name, m in modules.items()}
     state = Prefetch(prefetch)
-    owner = _make_groups(uses, units_by_name, group, mesh, mixed_precision, timeout, state)
+    owner = _make_groups(uses, units_by_name, group, (mesh, dp_dim), mixed_precision, timeout, state)
     _attach(uses, units_by_name, owner)
     # The root is hooked even with no parameters of its own: its forward marks a new step.
     active = [u for u in units_by_name.values() if u.slots or not u.name]
@@ -290,6 +299,7 @@ def shard(
     for m, places in held.values():
         m.register_load_state_dict_post_hook(_Reattach(places))
     z = Sharded(module, group, active, groups, mp, mesh, state, children)
+    z.dp_dim = dp_dim
     names = {id(m): name for name, m in module.named_modules()}
     for child in children:
         z.adopt(child, names[id(child.module)])
@@ -300,6 +310,10 @@ def shard(
     _as_zero_module(module)
     module.__dict__["_tracedac_zero"] = z
     return module
+
+
+def _placements(p) -> str | None:
+    return str(tuple(p.placements)) if isinstance(p, DTensor) else None
 
 
 class _Use:
@@ -328,12 +342,14 @@ def _uses(module: nn.Module, chosen: dict) -> list[_Use]:
     return uses
 
 
-def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
+def _make_groups(uses, units: dict, group, where, mp, timeout, state) -> dict:
     """Each unit's flat groups, their buffers and DTensor parameters; returns id(param) -> (group, piece).
 
     A parameter belongs to the unit it first appears in, and travels in ``param_dtype``
-    only if every module reading it is low precision.
+    only if every module reading it is low precision. A tensor-parallel parameter (a
+    DTensor) is cut by its local tensor (``tp.py``); ``where``: (mesh, its dp dimension).
     """
+    mesh, dp_dim = where
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     auto = mp is not None and mp.param_dtype == "auto"
     low: dict[int, bool] = {}
@@ -354,14 +370,16 @@ def _make_groups(uses, units: dict, group, mesh, mp, timeout, state) -> dict:
     for (name, dtype, requires_grad, cls), firsts in members.items():
         unit = units[name]
         params = [u.param for u in firsts]
-        slices, numel = make_slices([u.fqn for u in firsts], [p.shape for p in params], world, rank)
+        values = [p._local_tensor if isinstance(p, DTensor) else p for p in params]  # TP: its local tensor
+        slices, numel = make_slices([u.fqn for u in firsts], [v.shape for v in values], world, rank)
         local = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
         if not local.is_meta:
             with torch.no_grad():
-                for s, p in zip(slices, params):
-                    s.local(local).copy_(s.rows_of(p.detach(), rank, world))
-        for s in slices:
-            s.spec = spec_for(mesh, s.shape)
+                for s, v in zip(slices, values):
+                    s.local(local).copy_(s.rows_of(v.detach(), rank, world))
+        for s, p in zip(slices, params):
+            s.tp = p._spec if isinstance(p, DTensor) else None
+            s.spec = spec_for(mesh, s.shape) if mesh.ndim == 1 else tp_spec(mesh, dp_dim, s)
         kind = f"{'trainable' if requires_grad else 'frozen'} {str(dtype).removeprefix('torch.')}"
         if cls is not None:
             kind = f"{'trainable' if requires_grad else 'frozen'} {cls.__name__}, auto dtype"
@@ -402,7 +420,8 @@ def _attach(uses, units: dict, owner: dict) -> None:
         g.slices[piece].uses.append((u.module, u.attr))
         if g not in unit.groups:
             unit.groups.append(g)  # a parameter shared with an earlier unit: gather its group too
-        unit.slots.append(_Slot(u.module, u.attr, unit.groups.index(g), piece))
+        unit.slots.append(_Slot(u.module, u.attr, unit.groups.index(g), piece, g.slices[piece].tp))
+        unit.tp = unit.tp or g.slices[piece].tp is not None
     for unit in units.values():
         for g in unit.own:
             g.bind(g.local)

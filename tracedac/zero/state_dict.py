@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .errors import ZeroError
 from .module import sharded
+from .tp import checkpoint_group, global_value, local_value
 
 __all__ = ["full_state_dict", "load_checkpoint", "load_full_state_dict", "save_checkpoint"]
 
@@ -31,7 +32,7 @@ def _full_parameters(module) -> dict:
     for g in sharded(module).all_groups:
         padded = g.gather_fp32()
         for s in g.slices:
-            values[id(s.param)] = s.full(padded, g.world)
+            values[id(s.param)] = global_value(s, s.full(padded, g.world))  # TP: the full tensor
     return values
 
 
@@ -104,7 +105,7 @@ def load_full_state_dict(module, state_dict: dict) -> None:
                 "load a state dict saved from this model."
             )
         s = p._tracedac_slice
-        s.local(g.local).copy_(s.rows_of(value, g.rank, g.world))
+        s.local(g.local).copy_(s.rows_of(local_value(s, value), g.rank, g.world))
     module.load_state_dict({k: v for k, v in state_dict.items() if k not in params}, strict=False)
 
 
@@ -119,10 +120,13 @@ def _state(model, optimizer):
 
 def save_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> None:
     """``dcp.save`` of ``get_state_dict(model, optimizer)`` under ``"model"`` and ``"optim"``:
-    the model's own keys, each rank writing its shards. A collective."""
+    the model's own keys, each rank writing its shards. A collective (over the whole 2-D
+    mesh with tensor parallel: every rank holds a piece)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id, process_group=sharded(model).group)
+    dcp.save(
+        _state(model, optimizer), checkpoint_id=checkpoint_id, process_group=checkpoint_group(sharded(model))
+    )
 
 
 def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> None:
@@ -135,7 +139,7 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
 
     state = _state(model, optimizer)
     _check_against(dcp.FileSystemReader(checkpoint_id).read_metadata(), state, checkpoint_id)
-    dcp.load(state, checkpoint_id=checkpoint_id, process_group=sharded(model).group)
+    dcp.load(state, checkpoint_id=checkpoint_id, process_group=checkpoint_group(sharded(model)))
     set_state_dict(
         model,
         () if optimizer is None else optimizer,

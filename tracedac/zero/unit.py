@@ -7,10 +7,12 @@ all-gathers its groups (``tracedac::all_gather``) and shadows each parameter att
 with a view of the gathered buffer (an instance ``__dict__`` entry wins over
 ``_parameters``); its post-hook removes the shadows, so the attribute reads the DTensor
 again, and calls ``tracedac::release``: after the forward no full parameter is referenced.
+A tensor-parallel parameter's shadow is its gathered TP piece as a DTensor (``tp.wrap``).
 
 What autograd saves on a gathered buffer (``mm`` keeps its weight) becomes a ``Handle``:
-outside checkpoint regions through this module's ``saved_tensors_hooks``, inside them
-through the region's own (the gather is a recorded node there, replayed in backward).
+outside checkpoint regions through this module's ``saved_tensors_hooks`` (a saved DTensor
+flattened, its local tensor the handle), inside them through the region's own (the gather is
+a recorded node there, replayed in backward).
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._compat import _VERSION, class_forward
+from .._compat import _VERSION, class_forward, is_wrapper_subclass
 from ..compile.registry import install_traced
 from ..region import current_region, tracing
+from ..subclasses import Flattened, is_subclass
 from .errors import ZeroError
 from .gathered import Gathered, Handle, handle_for
 from .group import FlatGroup
 from .layout import split_views
 from .prefetch import Prefetch
+from .tp import compiles_tp, wrap
 
 __all__ = ["Unit", "compiles_zero"]
 
@@ -51,12 +55,13 @@ compiles_zero._dynamo_marked_constant = True  # run at trace time, its result a 
 class _Slot:
     """One module attribute that reads a sharded parameter: where, and which piece of which group."""
 
-    __slots__ = ("module", "attr", "group", "piece")
+    __slots__ = ("module", "attr", "group", "piece", "tp")
 
-    def __init__(self, module, attr, group, piece):
+    def __init__(self, module, attr, group, piece, tp=None):
         self.module, self.attr = module, attr
         self.group = group  # index into the unit's gathered groups
         self.piece = piece  # index of the parameter in that group
+        self.tp = tp  # a tensor-parallel parameter's DTensorSpec: the module reads a DTensor (tp.py)
 
 
 _TRACED = "traced"  # in place of a unit's saved-tensor hooks: the forward ran under a compiler
@@ -73,6 +78,7 @@ class Unit:
         self.slots: list[_Slot] = []
         self.active: list = []  # (gathered, hooks) per forward call running
         self.state: Prefetch | None = None  # the root unit's only: its forward starts a new order of gathers
+        self.tp = False  # whether a slot is a tensor-parallel parameter (not compiled yet: tp.py)
 
     def pre(self, module, args):
         if tracing(args):
@@ -108,7 +114,8 @@ class Unit:
             raise
         views = [split_views(g.full, g.flat.slices, g.flat.world) for g in gathered]
         for s in self.slots:
-            s.module.__dict__[s.attr] = views[s.group][s.piece]
+            view = views[s.group][s.piece]
+            s.module.__dict__[s.attr] = view if s.tp is None else wrap(view, s.tp)
         auto = self.groups[0].state.auto if self.groups else None
         if auto is not None and auto.observer is not None:
             auto.track(views, self.groups)
@@ -133,6 +140,7 @@ class Unit:
         ``Gathered`` entry and no saved-tensor hooks: the compiled code runs none of this."""
         install_traced()
         compiles_zero(torch.compiler.is_dynamo_compiling())  # (torch >= 2.13)
+        compiles_tp(torch.compiler.is_dynamo_compiling(), self.tp)
         # dtype explicit: the graph keeps the dtype it was traced with if "auto" changes it later
         fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key, dtype=g.dtype_now()) for g in self.groups]
         views = [split_views(full, g.slices, g.world) for full, g in zip(fulls, self.groups)]
@@ -216,12 +224,35 @@ class _Lazy:
 
 
 def _pack(t: torch.Tensor):
+    if is_subclass(t):
+        # A DTensor parameter of a tensor-parallel unit (``tp.wrap``): its local tensor is on
+        # a gathered buffer. Kept as a Handle inside its flattened form; other subclasses as is.
+        if not is_wrapper_subclass(t):
+            return t
+        flat = Flattened(t, _pack_inner)
+        return flat if any(h.__class__ is Handle for h in flat.leaves()) else t
     h = handle_for(t)
     return t if h is None else h
 
 
+class _Kept:
+    """An inner tensor of a saved subclass that is not on a gathered buffer: kept as it is."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def unpack(self):
+        return self.value
+
+
+def _pack_inner(t: torch.Tensor):
+    return handle_for(t) or _Kept(t)
+
+
 def _unpack(x):
-    return x.unpack() if x.__class__ is Handle else x
+    return x.unpack() if x.__class__ is Handle or x.__class__ is Flattened else x
 
 
 class _Autocast:

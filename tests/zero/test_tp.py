@@ -1,0 +1,151 @@
+"""Zero and tensor parallel composed on a 2 x 2 mesh (issue 29, item 4), on 4 gloo ranks.
+
+Each block's Linears are tensor parallel over ``mesh["tp"]`` (torch's ``parallelize_module``),
+the model is sharded by ``zero.shard`` over ``mesh["dp"]``, every block is a tracedac region
+(``tp_workers``). One spawn runs every part; the oracle is one process on the whole batch
+(docs/design.md, "ZeRO with tensor parallelism").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from . import tp_workers as tw
+from .spawn import part, run_ranks
+
+pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+
+PARTS = ("train", "collectives", "mixed", "refusals")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tw.reference()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("tp"))
+    parts = [(name, (tmp,) if name == "train" else ()) for name in PARTS]
+    return run_ranks(tw.several, 4, parts, timeout=240)
+
+
+def _close(a, b, tol):
+    assert len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b)), (a, b)
+
+
+def test_losses_equal_one_process_on_the_whole_batch_over_three_steps(ranks, reference):
+    """Each dp half of the batch on two TP ranks, gradients reduce-scattered over dp: the
+    updates of one process on the whole batch."""
+    for r in part(ranks, "train"):
+        assert len(r["losses"]) == tw.STEPS
+        _close(r["losses"], reference["losses"], 1e-5)
+
+
+def test_clip_grad_norm_counts_tp_shards_once_each_and_replicated_parameters_once(ranks, reference):
+    """zero.clip_grad_norm_ sums a TP-sharded gradient over dp and TP, a replicated one over
+    dp only: the whole model's norm (clipping is active at every step)."""
+    assert all(n > tw.CLIP for n in reference["norms"])
+    for r in part(ranks, "train"):
+        _close(r["norms"], reference["norms"], 1e-5)
+
+
+def test_parameters_after_the_steps_equal_the_references(ranks, reference):
+    params = part(ranks, "train")[0]["params"]
+    assert params.keys() == reference["params"].keys()
+    for name, want in reference["params"].items():
+        assert params[name].shape == want.shape, name
+        assert float((params[name] - want).abs().max()) <= 1e-5, name
+
+
+def test_parameters_are_dtensors_on_the_2d_mesh_sharded_over_dp_and_placed_as_tp_placed_them(ranks):
+    """Optimizers and DCP see one mesh for the whole model; a Colwise weight's rows are cut by TP
+    first, then by dp (_StridedShard), as FSDP2 lays them out."""
+    strided = _StridedShard(0, split_factor=2)
+    want = {
+        "blocks.0.up.weight": (strided, Shard(0)),
+        "blocks.0.up.bias": (strided, Shard(0)),
+        "blocks.0.down.weight": (Shard(0), Shard(1)),
+        "blocks.0.down.bias": (Shard(0), Replicate()),
+        "blocks.0.norm.weight": (Shard(0), Replicate()),
+        "head.weight": (Shard(0), Replicate()),
+    }
+    for r in part(ranks, "train"):
+        assert {dims for dims, _ in r["placements"].values()} == {("dp", "tp")}
+        assert {k: r["placements"][k][1] for k in want} == want
+
+
+def test_a_tp_module_computes_with_its_tp_dtensor_parameters_in_forward(ranks):
+    for r in part(ranks, "train"):
+        assert r["seen"]["up"] == ("DTensor", ("tp",), (Shard(0),), torch.float32, (tw.H, tw.D))
+        assert r["seen"]["down"] == ("DTensor", ("tp",), (Shard(1),), torch.float32, (tw.D, tw.H))
+
+
+def test_a_dcp_checkpoint_loads_into_a_fresh_sharded_model_exactly(ranks):
+    """Saved after three steps, loaded into a model built from another seed: the same
+    parameters and the same next step (loss and gradient norm) as the model that went on."""
+    for r in part(ranks, "train"):
+        assert r["loaded"] == 0.0
+        _close(r["resumed"], r["continued"], 1e-6)
+
+
+def test_full_state_dict_load_full_state_dict_and_full_parameters_see_the_unsharded_tensors(ranks):
+    for r in part(ranks, "train"):
+        assert r["full"] == 0.0  # full_state_dict: every parameter's full value, TP gathered too
+        assert r["full_loaded"] == 0.0  # loaded into another sharded model
+        inside, written = r["full_parameters"]
+        assert inside == (tw.H, tw.D)  # the unsharded weight, not its TP piece
+        assert written <= 1e-6  # a write inside lands in this rank's rows of its TP piece
+
+
+def test_regions_issue_the_collectives_of_no_regions_and_gather_every_unit_again_in_backward(ranks):
+    """A region records the block's TP all-reduce once and keeps it; zero's gathers it
+    replays: backward gathers each unit (3 blocks and the root) again, as without regions,
+    and between forward and backward no gathered buffer is alive, though autograd saved the
+    DTensor weights made from them (each becomes a handle that gathers again)."""
+    for counts in part(ranks, "collectives"):
+        for regions in (True, False):
+            forward, backward, held = counts[regions]
+            gathers, all_reduce = "tracedac.all_gather.default", "_c10d_functional.all_reduce.default"
+            assert forward == backward == {gathers: tw.BLOCKS + 1, all_reduce: tw.BLOCKS}, counts
+            assert held == 0, counts
+
+
+def test_mixed_precision_gathers_bf16_tp_weights_and_trains_as_autocast_would(ranks):
+    """MixedPrecision() with TP: the weight a Linear computes with is a bf16 DTensor; the losses
+    are those of the reference with its Linears under bf16 autocast, within bf16 rounding (a
+    Rowwise layer sums its two partial products in bf16, the reference in one matmul)."""
+    want = tw.reference(autocast=True)["losses"]
+    for r in part(ranks, "mixed"):
+        assert r["seen"] == ("DTensor", ("tp",), (Shard(0),), torch.bfloat16, (tw.H, tw.D))
+        _close(r["losses"], want, 2e-3)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            "auto",
+            r'MixedPrecision\("auto"\).*blocks\.0\.up\.weight.*MixedPrecision\(param_dtype=torch.bfloat16\)',
+        ),
+        (
+            "world",
+            r"blocks\.0\.up\.weight.*no dimension is the process group.*\[0, 1, 2, 3\].*group=mesh",
+        ),
+        (
+            "compiled",
+            r"tensor-parallel \(DTensor\) parameters is being compiled.*Run the sharded model eagerly",
+        ),
+    ],
+)
+def test_what_zero_with_tp_cannot_do_yet_is_refused_on_every_rank_saying_what_to_do(ranks, case, message):
+    """MixedPrecision("auto") cannot follow a gathered weight into the DTensor TP makes of it;
+    sharding over the whole world would mix TP's ranks into dp; compiled passes read gathered
+    parameters as plain tensors. Each raises ZeroError at the call, on every rank."""
+    import re
+
+    for r in part(ranks, "refusals"):
+        assert r[case] is not None and re.search(message, r[case], re.S), r[case]

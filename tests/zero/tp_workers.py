@@ -1,0 +1,286 @@
+"""Zero + tensor parallel on a 2 x 2 mesh, what each rank runs (imported by spawned processes).
+
+Four gloo ranks as ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))``. A
+model of three pre-norm MLP blocks and a head; each block's ``up`` is ``ColwiseParallel``
+and its ``down`` ``RowwiseParallel`` over ``mesh["tp"]`` (their weights DTensors, an
+all-reduce after ``down``), then ``zero.shard`` over ``mesh["dp"]``'s group, then every block a
+tracedac region. The two ranks of one ``dp`` coordinate take the same half of the batch; the
+loss is averaged over ``dp``.
+
+The oracle (``reference``, run in the test's own process): the same model, not parallelized,
+not sharded, not checkpointed, on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tracedac
+import tracedac.zero as zero
+
+D, H, OUT = 16, 32, 4  # width, MLP hidden, head
+BATCH, STEPS, BLOCKS = 8, 3, 3
+LR, CLIP = 1e-2, 0.5  # clipping at 0.5 is active: every step's norm is above it
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+
+    def forward(self, x):  # [B, D]
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(D, OUT)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def model(seed: int = 0) -> Model:
+    torch.manual_seed(seed)
+    return Model()
+
+
+def batches() -> list:
+    """``STEPS + 1`` whole batches (the last one for the step after a checkpoint)."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(BATCH, D, generator=g), torch.randn(BATCH, OUT, generator=g)) for _ in range(STEPS + 1)
+    ]
+
+
+def reference(autocast: bool = False) -> dict:
+    """One process, the whole batch: each step's loss and gradient norm, the parameters after
+    ``STEPS`` steps. ``autocast``: every Linear under bf16 autocast (what MixedPrecision() does)."""
+    m = model()
+    if autocast:
+        for mod in m.modules():
+            if isinstance(mod, nn.Linear):
+                mod.forward = _autocast(mod.forward)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    losses, norms = [], []
+    for x, y in batches()[:STEPS]:
+        loss = F.mse_loss(m(x).float(), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": {k: v.detach().clone() for k, v in m.named_parameters()},
+    }
+
+
+def _autocast(forward):
+    def run(*args):
+        with torch.autocast("cpu", torch.bfloat16):
+            return forward(*args)
+
+    return run
+
+
+@functools.cache
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def sharded(seed: int = 0, regions: bool = True, **shard_kw) -> Model:
+    """The model, its blocks tensor parallel over "tp", sharded over "dp", blocks in regions."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    m = model(seed)
+    for block in m.blocks:
+        parallelize_module(block, mesh()["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    shard_kw.setdefault("group", mesh()["dp"].get_group())
+    zero.shard(m, **shard_kw)
+    if regions:
+        tracedac.wrap(m, Block)
+    return m
+
+
+def step(m, opt, x, y) -> tuple[float, float]:
+    """One AdamW step on this rank's half of the batch: (loss averaged over dp, gradient norm)."""
+    dp = mesh()["dp"]
+    x, y = x.chunk(2)[dp.get_local_rank()], y.chunk(2)[dp.get_local_rank()]
+    loss = F.mse_loss(m(x).float(), y)
+    loss.backward()
+    norm = float(zero.clip_grad_norm_(m, CLIP))
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=dp.get_group())
+    return total.item() / 2, norm
+
+
+def _full(m) -> dict:
+    return {k: v.full_tensor().detach().clone() for k, v in m.named_parameters()}
+
+
+def _seen(module) -> list:
+    """What ``module``'s forward reads as its weight: (type, mesh dims, placements, dtype, shape)."""
+    seen = []
+
+    def hook(mod, args):
+        w = mod.weight
+        seen.append(
+            (type(w).__name__, w.device_mesh.mesh_dim_names, tuple(w.placements), w.dtype, tuple(w.shape))
+        )
+
+    module.register_forward_pre_hook(hook)
+    return seen
+
+
+def train(rank, world, tmp):
+    """Losses and norms over ``STEPS`` steps, the parameters after them (full tensors), the
+    parameters' placements, what ``up`` and ``down`` compute with; then a DCP checkpoint: the
+    next step's loss continued and resumed in a fresh model, and the parameters loaded."""
+    m = sharded()
+    seen = {"up": _seen(m.blocks[0].up), "down": _seen(m.blocks[0].down)}
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    data = batches()
+    losses, norms = zip(*(step(m, opt, x, y) for x, y in data[:STEPS]))
+    params = _full(m)
+    placements = {k: (v.device_mesh.mesh_dim_names, tuple(v.placements)) for k, v in m.named_parameters()}
+    path = os.path.join(tmp, "tp")
+    zero.save_checkpoint(path, m, opt)
+    saved = copy.deepcopy(params)
+    continued = step(m, opt, *data[STEPS])
+    fresh = sharded(seed=5)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
+    zero.load_checkpoint(path, fresh, fresh_opt)
+    loaded = _full(fresh)
+    resumed = step(fresh, fresh_opt, *data[STEPS])
+    # the unsharded model's tensors, into another sharded model; full_parameters writes back
+    full = zero.full_state_dict(fresh)
+    other = sharded(seed=6)
+    zero.load_full_state_dict(other, full)
+    with zero.full_parameters(other), torch.no_grad():
+        inside = tuple(other.blocks[0].up.weight.shape)
+        other.blocks[0].up.weight.add_(1.0)
+    written = float(
+        (other.blocks[0].up.weight.full_tensor() - full["blocks.0.up.weight"]).sub(1.0).abs().max()
+    )
+    return {
+        "losses": list(losses),
+        "norms": list(norms),
+        "params": params if rank == 0 else None,
+        "placements": placements,
+        "seen": {k: v[0] for k, v in seen.items()},
+        "loaded": max(float((loaded[k] - saved[k]).abs().max()) for k in saved),
+        "continued": continued,
+        "resumed": resumed,
+        "full": max(float((full[k] - _full(fresh)[k]).abs().max()) for k in saved),
+        "full_parameters": (inside, written),
+        "full_loaded": max(
+            float((v - full[k]).abs().max()) for k, v in _full(other).items() if k != "blocks.0.up.weight"
+        ),
+    }
+
+
+_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+class _Count(TorchDispatchMode):
+    """tracedac.zero's gathers and the functional collectives tensor parallel issues, seen
+    beneath DTensor (declining its ops, as torch's CommDebugMode does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+        self.gathered = []  # a weak reference to each gathered buffer's storage
+
+    def held(self) -> int:
+        """How many of the buffers gathered under this mode are still alive."""
+        return sum(not ref.expired() for ref in self.gathered)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        name = str(func)
+        if name.startswith(("tracedac.all_gather", *(f"_c10d_functional.{c}" for c in _COLLECTIVES))):
+            self.counts[name] += 1
+        out = func(*args, **(kwargs or {}))
+        if name.startswith("tracedac.all_gather"):
+            self.gathered.append(StorageWeakRef(out.untyped_storage()))
+        return out
+
+
+def collectives(rank, world):
+    """With and without regions: (forward counts, backward counts, how many gathered buffers
+    are alive between forward and backward) of one step."""
+    out = {}
+    x, y = batches()[0]
+    dp = mesh()["dp"].get_local_rank()
+    for regions in (True, False):
+        m = sharded(regions=regions)
+        with _Count() as forward:
+            loss = F.mse_loss(m(x.chunk(2)[dp]), y.chunk(2)[dp])
+        held = forward.held()
+        with _Count() as backward:
+            loss.backward()
+        out[regions] = (dict(forward.counts), dict(backward.counts), held)
+    return out
+
+
+def mixed(rank, world):
+    """``MixedPrecision()`` (bf16 Linears): losses, and what ``up`` computes with."""
+    m = sharded(mixed_precision=zero.MixedPrecision())
+    seen = _seen(m.blocks[0].up)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    losses = [step(m, opt, x, y)[0] for x, y in batches()[:STEPS]]
+    return {"losses": losses, "seen": seen[0]}
+
+
+def _refused(fn) -> str | None:
+    try:
+        fn()
+    except zero.ZeroError as e:
+        return str(e)
+    return None
+
+
+def refusals(rank, world):
+    """The messages of what zero + tensor parallel refuses (None where nothing was raised)."""
+
+    def compiled():
+        m = sharded()
+        m.blocks[0].compile(fullgraph=True, backend="eager")
+        m(batches()[0][0])
+
+    return {
+        "auto": _refused(lambda: sharded(mixed_precision=zero.MixedPrecision("auto"))),
+        "world": _refused(lambda: sharded(group=dist.group.WORLD)),
+        "compiled": _refused(compiled),
+    }
+
+
+def several(rank, world, parts):
+    from .workers import several as run
+
+    return run(rank, world, parts, where=globals())
