@@ -200,19 +200,6 @@ POLICIES = {
 }
 
 
-def load(path, model, opt) -> None:
-    """torch's own calls, which ``zero.load_checkpoint`` makes after checking that every entry
-    of the checkpoint is the model's: here each rank holds only its experts, and the
-    checkpoint has every rank's."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
 def _full(model) -> dict:
     """Every parameter this rank holds, as full tensors under the model's keys."""
     return {k: v.full_tensor().clone() for k, v in model.named_parameters()}
@@ -235,7 +222,8 @@ def train(rank, world, path):
         dist.all_reduce(summed)
         resumed_model = build(rank, world, policy())
         resumed_opt = optimizer(resumed_model)
-        load(f"{path}/{name}", resumed_model, resumed_opt)
+        # each rank holds only its experts, and the checkpoint every rank's
+        zero.load_checkpoint(f"{path}/{name}", resumed_model, resumed_opt)
         resumed = [step(resumed_model, resumed_opt, rank, world, i) for i in range(SAVE_AFTER, STEPS)]
         out[name] = {
             "losses": losses,

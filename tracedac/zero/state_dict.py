@@ -138,8 +138,9 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(model, optimizer)
-    _check_against(dcp.FileSystemReader(checkpoint_id).read_metadata(), state, checkpoint_id)
-    dcp.load(state, checkpoint_id=checkpoint_id, process_group=checkpoint_group(sharded(model)))
+    group = checkpoint_group(sharded(model))
+    _check_against(dcp.FileSystemReader(checkpoint_id).read_metadata(), state, checkpoint_id, group)
+    dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
     set_state_dict(
         model,
         () if optimizer is None else optimizer,
@@ -148,7 +149,7 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
     )
 
 
-def _check_against(metadata, state: dict, where) -> None:
+def _check_against(metadata, state: dict, where, group) -> None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -173,8 +174,13 @@ def _check_against(metadata, state: dict, where) -> None:
                 f"{tuple(value.shape)} {value.dtype}; it was saved from another model (dcp.load would "
                 f"{'cast it silently' if tuple(md.size) == tuple(value.shape) else 'refuse it'})."
             )
+    # Entries no rank of the group has: an expert-parallel model's ranks hold different
+    # experts, and the checkpoint holds every rank's.
+    keys = [None] * dist.get_world_size(group)
+    dist.all_gather_object(keys, list(flat), group=group)
+    known = set().union(*keys)
     prefixes = tuple(f"{k}." for k in state)
-    extra = [k for k in saved if k.startswith(prefixes) and k not in flat]
+    extra = [k for k in saved if k.startswith(prefixes) and k not in known]
     if extra:
         raise ZeroError(
             f"checkpoint {str(where)!r} has entries the model does not: {extra[:5]}; it was "
