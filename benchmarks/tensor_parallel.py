@@ -6,17 +6,17 @@ MLP blocks (LayerNorm, up, GELU, down, residual) parallelized with torch's
 then ``RowwiseParallel``: an all-reduce per block), ``sp`` adds sequence parallelism (the
 LayerNorm on each rank's slice of the tokens; an all-gather before the hidden layer and a
 reduce-scatter after). Each block is checkpointed by torch's checkpoint or by tracedac under
-``recompute_all``, ``save_matmuls`` and ``memory_budget(0.5)``, beside no checkpointing, on
-the same weights and batch. Rank 0 prints, per variant: the collectives issued in forward and
-in backward (counted at the dispatcher beneath DTensor, ``collectives.CollectiveCounter``),
-the bytes held after the forward (glibc's allocator, ``probe.allocated_bytes``, median of
-the steps), the median step time (garbage collected before each step) and the largest
-gradient difference from no checkpointing.
+``recompute_all``, ``save_matmuls``, ``memory_budget(0.5)`` and
+``replay_collectives(recompute_all())``, beside no checkpointing, on the same weights and
+batch. Rank 0 prints, per variant: the collectives issued in forward and in backward (counted
+at the dispatcher beneath DTensor, ``collectives.CollectiveCounter``), the bytes held after
+the forward (glibc's allocator, ``probe.allocated_bytes``, median of the steps), the median
+step time (garbage collected before each step) and the largest gradient difference from no
+checkpointing.
 
 What it measures is docs/design.md's rule for DTensor's redistributions ("Tensor subclasses"):
-tracedac keeps a collective's result and never issues it again; torch's checkpoint re-runs
-the block and issues them again in backward.
-"""
+tracedac keeps a collective's result and never issues it again, unless the policy is wrapped
+in ``replay_collectives``; torch's checkpoint re-runs the block and issues them again."""
 
 from __future__ import annotations
 
@@ -36,7 +36,14 @@ from .child import mib, table
 from .collectives import CollectiveCounter
 from .probe import allocated_bytes
 
-VARIANTS = ("none", "torch checkpoint", "recompute_all", "save_matmuls", "memory_budget(0.5)")
+VARIANTS = (
+    "none",
+    "torch checkpoint",
+    "recompute_all",
+    "save_matmuls",
+    "memory_budget(0.5)",
+    "replay_collectives(recompute_all)",
+)
 
 
 class Block(nn.Module):
@@ -90,6 +97,9 @@ def _checkpointed(blocks: nn.ModuleList, variant: str):
             "recompute_all": policies.recompute_all,
             "save_matmuls": policies.save_matmuls,
             "memory_budget(0.5)": lambda: policies.memory_budget(0.5),
+            "replay_collectives(recompute_all)": lambda: policies.replay_collectives(
+                policies.recompute_all()
+            ),
         }[variant]()
         for b in blocks:
             tracedac.checkpoint(b, policy=policy)

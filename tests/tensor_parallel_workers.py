@@ -182,6 +182,42 @@ def async_input(rank, world):
     return kind, float((got - want).abs().max())
 
 
+def replayed(rank, world):
+    """``replay_collectives``: per case, (forward counts, backward counts, gradient difference
+    from plain) against plain's counts, or the CheckpointError's message where refused."""
+    from tracedac import CheckpointError, policies
+
+    from . import collective_workers as cw
+
+    rc = policies.replay_collectives
+    out = {}
+    cases = {
+        "moe": (lambda: cw._inputs(rank, lambda: cw.MoE(world)), cw._step, cw._difference),
+        "c10d": (lambda: cw._inputs(rank, cw.GlobalScale), cw._step, cw._difference),
+    }
+    for kind, (make, step, difference) in cases.items():
+        block, x = make()
+        *plain, want = step(block, x)
+        out[f"{kind} plain"] = tuple(plain)
+        names = {"recompute_all": rc(policies.recompute_all())}
+        if kind == "moe":
+            names["min_cut"] = rc(policies.min_cut())  # plans from each rank's own splits
+        for name, policy in names.items():
+            tracedac.checkpoint(block, policy=policy)
+            try:
+                *counts, got = step(block, x)
+                out[f"{kind} {name}"] = (*counts, difference(got, want))
+            except CheckpointError as e:
+                out[f"{kind} {name}"] = str(e)
+            tracedac.unwrap(block)
+    block, x, inputs = _setup(rank, world, "sp")
+    *plain, want = _step(block, block, x, inputs)
+    out["sp plain"] = tuple(plain)
+    *counts, got = _step(tracedac.checkpoint(block, policy=rc(policies.recompute_all())), block, x, inputs)
+    out["sp recompute_all"] = (*counts, _difference(got, want))
+    return out
+
+
 def several(rank, world, parts):
     from tests.zero.workers import several as run
 

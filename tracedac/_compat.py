@@ -23,6 +23,7 @@ __all__ = [
     "is_wrapper_subclass_type",
     "op_effect",
     "optimization_hint",
+    "process_group_named",
     "trace_time_error",
 ]
 
@@ -32,6 +33,13 @@ _VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 # A SymInt's concrete hint (or ``fallback`` when it has none): ``optimization_hint`` in torch
 # 2.13, ``hint_int`` in 2.11.
 optimization_hint = getattr(_symbolic_shapes, "optimization_hint", None) or _symbolic_shapes.hint_int
+
+
+def process_group_named(name: str):
+    """The process group a functional collective's ``group_name`` argument names."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def is_wrapper_subclass(t) -> bool:

@@ -32,6 +32,7 @@ from .errors import CheckpointError
 __all__ = [
     "COLLECTIVE_NAMESPACES",
     "EFFECT_REPLAYED",
+    "FUNCTIONAL_NAMESPACES",
     "LOW_DTYPES",
     "MATMUL_OPS",
     "MUST_CPU_OFFLOAD",
@@ -46,6 +47,7 @@ __all__ = [
     "effect",
     "is_offload",
     "is_save",
+    "needs_wait",
     "recompute_by_default",
     "resolve",
 ]
@@ -97,6 +99,9 @@ def recompute_by_default(op: OpOverload, reason: str) -> None:
 COLLECTIVE_NAMESPACES = frozenset(
     {"_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d"}
 )
+# Of those, the ones that return a new tensor waited for with wait_tensor: what
+# ``replay_collectives`` lets a policy replay (collectives.py).
+FUNCTIONAL_NAMESPACES = COLLECTIVE_NAMESPACES - {"c10d"}
 _EFFECTS: dict[int, tuple] = {}  # id(op) -> (op, why or None), found on first sight
 
 
@@ -128,6 +133,19 @@ def effect(op) -> str | None:
     return known[1]
 
 
+_WAITS: dict[int, tuple] = {}  # id(op) -> (op, whether a replayed result must be waited for)
+
+
+def needs_wait(op) -> bool:
+    """Whether replaying ``op`` issued a functional collective, whose results must be waited for
+    before they are read (``replay_collectives``). One lookup per replayed node after the op's
+    first sight."""
+    known = _WAITS.get(id(op))
+    if known is None:
+        known = _WAITS[id(op)] = (op, getattr(op, "namespace", None) in FUNCTIONAL_NAMESPACES)
+    return known[1]
+
+
 def decision(policy, node) -> CheckpointPolicy:
     """``policy(node)``, checked: a CheckpointPolicy tracedac can carry out."""
     d = policy(node)
@@ -150,13 +168,16 @@ def resolve(policy, node, constant=None) -> CheckpointPolicy:
     why = effect(op)
     if why is None:
         return d
+    if getattr(policy, "replays_collectives", False) and op.namespace in FUNCTIONAL_NAMESPACES:
+        return d  # replay_collectives(policy): asked for, and checked across ranks (collectives.py)
     if d is MUST_RECOMPUTE:
         raise CheckpointError(
             f"policy {policy!r} returned MUST_RECOMPUTE for {node.name} (node {node.index}), {why}; "
             f"{EFFECT_REPLAYED}, and each rank plans its replay from its own shapes, so tracedac keeps "
             "the results of collectives and other effectful ops under every policy. Return "
-            "PREFER_RECOMPUTE (the result is kept), or call the op outside the region; parameters that "
-            "should be gathered again in backward are what tracedac.zero shards."
+            "PREFER_RECOMPUTE (the result is kept), wrap the policy in replay_collectives(...) to replay "
+            "functional collectives on every rank alike (checked), or call the op outside the region; "
+            "parameters that should be gathered again in backward are what tracedac.zero shards."
         )
     return MUST_SAVE
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .collectives import ReplayCollectives, replay_collectives  # noqa: F401 (re-exported)
 from .decisions import (  # noqa: F401 (re-exported: callers found them here first)
     MATMUL_OPS,
     MUST_CPU_OFFLOAD,
@@ -57,6 +58,7 @@ __all__ = [
     "offload_ops",
     "recompute_by_default",
     "recompute_all",
+    "replay_collectives",
     "save_all",
     "save_matmuls",
     "save_names",

@@ -17,6 +17,7 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
+from .collectives import check_agreement
 from .compile import traced_region
 from .decisions import is_offload, is_save, resolve
 from .graph import RegionGraph
@@ -278,6 +279,8 @@ class Region:
         kept_groups = {slot.meta.group for slot in self.kept}
         self.kept = []
         p = plan(graph, [(s.meta.group, s.meta.state) for s in graph.slots()])  # not kept: memory
+        if getattr(self.policy, "replays_collectives", False):
+            check_agreement(graph, frozenset(p.nodes))  # every rank replays the same collectives
         self._release(p, kept_groups)
 
     def _hand_inputs_to_parent(self) -> None:

@@ -29,6 +29,7 @@ import os
 import torch
 
 from . import replay_compiled as compiled
+from .decisions import needs_wait
 from .errors import CheckpointError
 from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs
 from .replay_plan import Plan, changed_error, plan
@@ -153,6 +154,17 @@ class Slot:
 
 
 # --- running -----------------------------------------------------------------------------
+
+
+def _wait_tensor(t: torch.Tensor) -> None:
+    torch.ops._c10d_functional.wait_tensor.default._op(t)
+
+
+def _issues_collectives(graph: RegionGraph, p: Plan) -> bool:
+    """Whether the plan replays a collective (``replay_collectives``): run op by op, each
+    waited for, not by compiled replay."""
+    nodes = graph.nodes
+    return any(needs_wait(nodes[i].op) for i in p.nodes)
 
 
 def _source(g: Group, kind: str) -> torch.Tensor:
@@ -305,7 +317,12 @@ def _replay(graph: RegionGraph, caller: Slot) -> None:
             raise changed_error(graph, changed[0]) from None
     graph.passes += 1
     graph.replayed_ops += len(p.nodes)
-    if compiled._enabled and not _fill_nan and _run_compiled(graph, p, slots):
+    if (
+        compiled._enabled
+        and not _fill_nan
+        and not _issues_collectives(graph, p)
+        and _run_compiled(graph, p, slots)
+    ):
         return
     reads, last_use = p.reads, p.last_use()
     nodes, groups, starts = graph.nodes, graph.groups, p.starts
@@ -360,6 +377,10 @@ def _replay(graph: RegionGraph, caller: Slot) -> None:
                         gen.set_state(state)
                 out = node.op._op(*args, **kwargs)
                 flat = (out,) if isinstance(out, _Tensor) else flatten_outputs(out)
+                if needs_wait(node.op):  # a collective replay_collectives let replay issue again
+                    for o in flat:
+                        if o is not None:
+                            _wait_tensor(o)
                 if _fill_nan and node.op in _UNINITIALIZED:
                     _poison(flat[0])
                 for k in node.creates:

@@ -13,7 +13,7 @@ tensor written after the region, a value forgotten) is an error naming what chan
 
 from __future__ import annotations
 
-from .decisions import EFFECT_REPLAYED, effect
+from .decisions import EFFECT_REPLAYED, MUST_RECOMPUTE, PREFER_RECOMPUTE, effect
 from .errors import CheckpointError
 from .graph import Group, RegionGraph, human_bytes, walk
 
@@ -174,7 +174,9 @@ def plan(graph: RegionGraph, wanted) -> Plan:
         if not node.replayable:
             refuse(_Forgotten(node))
         why = effect(node.op)
-        if why is not None:  # kept by every policy (decisions.effect): reached only around the kept value
+        # kept by every policy (decisions.effect), unless replay_collectives let the policy
+        # replay it (collectives.py): reached only around the kept value
+        if why is not None and node.decision is not MUST_RECOMPUTE and node.decision is not PREFER_RECOMPUTE:
             refuse(_EffectReplayed(graph, node, why))
 
     starts, chosen, reads = walk(graph, wanted, start_of, visit)

@@ -42,3 +42,5 @@ def test_tracedac_issues_the_backward_collectives_of_no_checkpointing_and_torch_
             assert rows[variant]["forward"] == rows["none"]["forward"], (kind, variant)
     gathers = lambda row: sum(n for op, n in row["backward"].items() if "all_gather" in op)  # noqa: E731
     assert gathers(result["sp"]["torch checkpoint"]) > gathers(result["sp"]["none"])
+    # replayed on request: gathered again, as torch's checkpoint does
+    assert gathers(result["sp"]["replay_collectives(recompute_all)"]) > gathers(result["sp"]["none"])

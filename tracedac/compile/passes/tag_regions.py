@@ -147,6 +147,13 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
     ``later(n)``: whether fx node ``n`` belongs to a region after this one."""
     graph = view.graph
     planner = planner_of(policy)
+    if getattr(policy, "replays_collectives", False):
+        raise CheckpointError(
+            f"region {graph.name!r} runs under torch.compile with {policy!r}: replaying collectives is "
+            "eager only (a compiled region keeps every collective: torch's partitioner would recompute "
+            "one with no check that every rank does the same). Compile it with the policy inside "
+            "replay_collectives(...), or run the region eagerly."
+        )
     for node in graph.nodes:
         node.decision = resolve(policy, node)
         if is_offload(node.decision):
