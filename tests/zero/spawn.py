@@ -4,6 +4,12 @@
 file in a fresh temporary directory (no ports), calls ``fn(rank, world, *args)`` and
 returns the list of what each returned. A child's exception is re-raised in the parent
 with its traceback; a run past ``timeout`` kills every child and fails, so no test can hang.
+
+Ranks are forked from multiprocessing's fork server, which imports torch and tracedac once for
+the session: a spawned interpreter spends some 3.5 s of CPU importing them again, for each of
+the suite's ~55 ranks. The fork server is a fresh interpreter that has run nothing (no thread
+pool, no process group, no compile), so each rank starts as a spawned one would, with this
+process's current environment (the server's is the one it started with) and working directory.
 """
 
 from __future__ import annotations
@@ -17,11 +23,25 @@ import traceback
 
 import torch.multiprocessing as mp
 
+# What the fork server imports, so that no rank does: torch with gloo, tracedac.zero, and
+# dynamo with inductor's decompositions (aot_eager_decomp_partition), for the compiled tests.
+# A test's own worker module (small) is imported by its ranks.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "tracedac",
+    "tracedac.zero",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+]
 
-def _entry(rank, fn, world, tmp, args):
+
+def _entry(rank, fn, world, tmp, args, environ):
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()  # the parent's environment now (e.g. a test's TORCH_FR_BUFFER_SIZE)
+    os.environ.update(environ)
     torch.set_num_threads(1)
     out = os.path.join(tmp, f"result{rank}.pkl")
     try:
@@ -42,32 +62,68 @@ def _entry(rank, fn, world, tmp, args):
     os._exit(0)  # skip interpreter teardown (and gloo's on a failed group): the result is written
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 90.0) -> list:
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(
-            _entry, args=(fn, world, tmp, args), nprocs=world, join=False, start_method="spawn"
+class Ranks:
+    """``world`` ranks running ``fn`` (``start_ranks``); ``results()`` waits for them."""
+
+    def __init__(self, fn, world: int, args: tuple, timeout: float, env: dict | None):
+        self.fn, self.world, self.timeout = fn, world, timeout
+        self._tmp = tempfile.TemporaryDirectory()
+        self._results = None
+        mp.set_forkserver_preload(PRELOAD)  # read when the server starts: at the first run
+        self._ctx = mp.start_processes(
+            _entry,
+            args=(fn, world, self._tmp.name, args, {**os.environ, **(env or {})}),
+            nprocs=world,
+            join=False,
+            start_method=os.environ.get("TDW_START", "forkserver"),
         )
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{fn.__name__} on {world} ranks ran past {timeout} s; killed")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+        self._deadline = time.monotonic() + timeout
+
+    def results(self) -> list:
+        """What each rank returned; a rank's exception, or the deadline passed, fails here."""
+        if self._results is None:
+            try:
+                self._results = self._wait()
+            finally:
+                self.close()
+        errors = [f"rank {r}:\n{v}" for r, (kind, v) in enumerate(self._results) if kind == "error"]
+        if errors:
+            raise AssertionError(f"{self.fn.__name__} failed on {self.world} ranks:\n" + "\n".join(errors))
+        return [v for _, v in self._results]
+
+    def close(self) -> None:
+        """Kill the ranks still running (a test that stopped waiting for them) and remove
+        the rendezvous directory."""
+        for p in self._ctx.processes:
+            if p.is_alive():
+                p.kill()
+        self._tmp.cleanup()
+
+    def _wait(self) -> list:
+        while not self._ctx.join(timeout=max(0.1, min(1.0, self._deadline - time.monotonic()))):
+            if time.monotonic() > self._deadline:
+                what = f"{self.fn.__name__} on {self.world} ranks"
+                raise TimeoutError(f"{what} ran past {self.timeout} s; killed")
         results = []
-        for rank in range(world):
-            path = os.path.join(tmp, f"result{rank}.pkl")
+        for rank in range(self.world):
+            path = os.path.join(self._tmp.name, f"result{rank}.pkl")
             if not os.path.exists(path):
                 results.append(("missing", None))
                 continue
             with open(path, "rb") as f:
                 results.append(pickle.load(f))
-    errors = [f"rank {r}:\n{v}" for r, (kind, v) in enumerate(results) if kind == "error"]
-    if errors:
-        raise AssertionError(f"{fn.__name__} failed on {world} ranks:\n" + "\n".join(errors))
-    return [v for _, v in results]
+        return results
+
+
+def start_ranks(fn, world: int, *args, timeout: float = 90.0, env: dict | None = None) -> Ranks:
+    """Start ``fn`` on ``world`` ranks and return at once (the ``timeout`` counts from now):
+    a test can start two groups and wait for both. ``env``: variables the ranks see beside
+    this process's environment."""
+    return Ranks(fn, world, args, timeout, env)
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 90.0, env: dict | None = None) -> list:
+    return start_ranks(fn, world, *args, timeout=timeout, env=env).results()
 
 
 def part(results: list, name: str, world: int | None = None) -> list:

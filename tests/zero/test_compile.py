@@ -1,7 +1,7 @@
 """tracedac.zero under torch.compile, fullgraph, on real gloo groups of 1 and 2 spawned ranks.
 
-Each world size is one spawn running every check (``compile_workers.several``); compiling
-on CPU is slow, so the models are the zero tests' small ones.
+Each world size is one spawn running every check (``compile_workers.several``), both started
+together; compiling on CPU is slow, so the models are the zero tests' small ones.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from . import compile_workers as cw
-from .spawn import part, run_ranks
+from .spawn import part, run_ranks, start_ranks
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 
@@ -23,9 +23,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
-def ranks(request):
-    world = request.param
+def _parts(world):
     cases = CASES if world == 1 else CASES[1:4]  # two ranks: the cases with regions and the whole model
     parts = [
         ("equal_to_eager", (cases,)),
@@ -38,7 +36,21 @@ def ranks(request):
     ]
     if world == 1:  # inductor's C++ compile is the slow part: one world size
         parts.append(("inductor", ()))
-    return world, run_ranks(cw.several, world, parts, timeout=400)
+    return parts
+
+
+@pytest.fixture(scope="module")
+def started():
+    """Both world sizes' ranks, started together: one rank alone would leave a core idle."""
+    runs = {world: start_ranks(cw.several, world, _parts(world), timeout=400) for world in (1, 2)}
+    yield runs
+    for run in runs.values():
+        run.close()
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+def ranks(request, started):
+    return request.param, started[request.param].results()
 
 
 def _part(ranks, name):

@@ -16,15 +16,27 @@ from __future__ import annotations
 import pytest
 
 from . import soak_workers as sw
-from .spawn import run_ranks
+from .spawn import start_ranks
 
 STEPS = 200
 FLOOR = 1024  # bytes a step: allocator noise over 200 steps reads up to ~250 on either library
+MODES = {
+    1: ("zero", "zero+wrap", "zero+bf16+wrap", "zero+auto+wrap", "zero+noprefetch+wrap"),
+    2: ("zero+wrap", "zero+auto+wrap", "zero+wrap+compile"),
+}
 
 
-def _soak(monkeypatch, world, modes):
-    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")  # read by each spawned rank at its first collective
-    return run_ranks(sw.soak, world, ("fsdp", *modes), STEPS, timeout=600)
+@pytest.fixture(scope="module")
+def soaks():
+    """Both world sizes' soaks, started together: one rank alone would leave a core idle."""
+    env = {"TORCH_FR_BUFFER_SIZE": "64"}  # read by each rank at its first collective
+    runs = {
+        world: start_ranks(sw.soak, world, ("fsdp", *modes), STEPS, timeout=600, env=env)
+        for world, modes in MODES.items()
+    }
+    yield runs
+    for run in runs.values():
+        run.close()
 
 
 def _assert_flat(results):
@@ -37,17 +49,13 @@ def _assert_flat(results):
 
 
 @pytest.mark.slow
-def test_one_rank_keeps_no_host_memory_per_step_in_any_mode(monkeypatch):
+def test_one_rank_keeps_no_host_memory_per_step_in_any_mode(soaks):
     """Eager, regions or not, fp32 / bf16 / "auto" under autocast, prefetch on and off."""
-    _assert_flat(
-        _soak(
-            monkeypatch, 1, ("zero", "zero+wrap", "zero+bf16+wrap", "zero+auto+wrap", "zero+noprefetch+wrap")
-        )
-    )
+    _assert_flat(soaks[1].results())
 
 
 @pytest.mark.slow
-def test_two_ranks_keep_no_host_memory_per_step_eager_or_compiled(monkeypatch):
+def test_two_ranks_keep_no_host_memory_per_step_eager_or_compiled(soaks):
     """Two ranks, where every gather and reduce-scatter crosses the wire; compiled fullgraph
     with regions inside the sharded blocks, and eager."""
-    _assert_flat(_soak(monkeypatch, 2, ("zero+wrap", "zero+auto+wrap", "zero+wrap+compile")))
+    _assert_flat(soaks[2].results())

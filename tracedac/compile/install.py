@@ -41,6 +41,7 @@ DEPENDS = (
     "offload_plan.py",
     "link.py",
     "policies.py",
+    "collectives.py",
     "graph.py",
 )  # what the passes import
 
