@@ -349,3 +349,90 @@ def test_on_cuda_the_copy_is_pinned_asynchronous_and_the_device_memory_goes():
     t.add_(1)  # ordered after the copy: it holds the value before
     assert torch.equal(copy.host.view(torch.float32).cuda(), value)
     assert torch.equal(copy.fetch(TensorMeta(0, 0, torch.float32, tuple(t.shape), t.stride(), 0)), value)
+
+
+def _three_offloaded_regions(device="cpu"):
+    """Three blocks, each a region offloading its matmuls, and their input."""
+    torch.manual_seed(0)
+    ws = [torch.randn(16, 16, device=device, requires_grad=True) for _ in range(3)]
+    policy = policies.offload_ops(aten.mm)
+    blocks = [checkpoint(lambda x, w=w: (x @ w).tanh() @ w, policy=policy) for w in ws]
+    return blocks, ws, torch.randn(8, 16, device=device, requires_grad=True)
+
+
+def _last_batches(n: int) -> list:
+    """The host copies of the last ``n`` regions that ended, per region (weak references:
+    copies no handle kept are gone)."""
+    from tracedac import offload
+
+    return list(offload._batches[-n:])
+
+
+def _live(batches) -> list:
+    return [[c for c in (r() for r in b) if c is not None] for b in batches]
+
+
+def test_reading_a_regions_host_copies_brings_back_the_region_before_it_and_no_further():
+    """Backward runs the regions in reverse: when it first reads region 3's copies, region
+    2's start coming back (``prefetch_regions(1)``, the default), region 1's not yet; when it
+    reaches region 2, region 1's. (On the CPU a copy is served in place: the schedule is what
+    is checked; on CUDA the same schedule copies on a side stream.)"""
+    blocks, ws, x = _three_offloaded_regions()
+    h = x
+    seen = []
+    for i, b in enumerate(blocks):
+        h = b(h)
+        if i < 2:  # when region i+2's backward is done and region i+1's starts
+            h.register_hook(lambda g: seen.append([[c.prefetched for c in b] for b in _live(batches)]))
+    batches = _last_batches(3)
+    first, second, third = _live(batches)
+    assert first and second and third
+    assert all(c.prefetched is None for c in first + second + third)
+    (grads_got) = torch.autograd.grad(h.sum(), [x, *ws])
+    # after region 3's backward (hook on region 2's output): region 2's copies asked for, region 1's not
+    after_third, after_second = seen  # the hook on region 2's output fires first
+    assert all(p is not None for p in after_third[1]) and all(p is None for p in after_third[0])
+    assert all(p is not None for p in after_second[0])
+    h = x
+    for f in (lambda t, w=w: (t @ w).tanh() @ w for w in ws):
+        h = f(h)
+    want = torch.autograd.grad(h.sum(), [x, *ws])
+    assert all(torch.equal(a, b) for a, b in zip(grads_got, want, strict=True))
+
+
+def test_prefetch_regions_zero_brings_back_each_copy_only_when_read():
+    from tracedac import offload
+
+    offload.prefetch_regions(0)
+    try:
+        blocks, ws, x = _three_offloaded_regions()
+        h = x
+        for b in blocks:
+            h = b(h)
+        batches = _live(_last_batches(3))
+        h.sum().backward()
+        assert all(c.prefetched is None for batch in batches for c in batch)
+    finally:
+        offload.prefetch_regions(1)
+    with pytest.raises(ValueError, match="number of regions >= 0"):
+        offload.prefetch_regions(-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_prefetched_copy_is_on_the_device_before_backward_reads_it_and_exact():
+
+    blocks, ws, x = _three_offloaded_regions("cuda")
+    h = x
+    for b in blocks:
+        h = b(h)
+    first, second, third = _live(_last_batches(3))
+    third[0].source()  # backward's first read of region 3
+    assert all(isinstance(c.prefetched, tuple) for c in second)  # on its way, on the side stream
+    assert all(c.prefetched is None for c in first)
+    got = torch.autograd.grad(h.sum(), [x, *ws])
+    h = x
+    for w in ws:
+        h = (h @ w).tanh() @ w
+    want = torch.autograd.grad(h.sum(), [x, *ws])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

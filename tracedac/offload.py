@@ -16,8 +16,16 @@ the region records into a storage whose copy may still be running waits for it f
 (``before_write``, called by the recorder), so the copy holds the state it is labelled with.
 In backward, ``fetch`` makes the current stream wait for the copy's event and copies back
 with ``non_blocking=True`` on the current stream (pinned memory: asynchronous, and ordered
-before the backward ops that read it). Nothing is prefetched yet: each value comes back when
-autograd unpacks it (or when replay reads it).
+before the backward ops that read it).
+
+Prefetch, a region ahead. Each region's copies form a batch, in forward order (``settle``).
+Backward runs the regions in reverse, so when it first brings back a copy of one region, the
+copies of the region before it (``prefetch_regions(n)``: the ``n`` before it; 1 by default, 0
+turns it off) start coming back at once: on CUDA on a side stream, into device memory, with
+an event the first ``fetch`` waits for, so the copy overlaps the backward of the region in
+between. At most those ``n`` regions' copies are in flight beyond the one being read. On the
+CPU there is nothing to copy ahead (the copy is served in place); the schedule is the same and
+is what the tests read (``HostCopy.prefetched``).
 
 CPU (and any device that is not CUDA): the copy is a plain synchronous copy to a separate
 host tensor; on the CPU host and device are one, so ``fetch`` hands out a view of the copy
@@ -40,19 +48,58 @@ import torch
 
 from .decisions import is_offload
 
-__all__ = ["HostCopy", "host_copy", "settle"]
+__all__ = ["HostCopy", "host_copy", "prefetch_regions", "settle"]
 
 _streams: dict = {}
 _lock = threading.Lock()
+_AHEAD = [1]  # regions whose copies come back ahead of the one backward reads (prefetch_regions)
+_batches: list = []  # one list of weak references to HostCopy per region, in forward order
 
 
-def _side_stream(device: torch.device):
-    """The stream device-to-host copies run on, one per CUDA device."""
+def prefetch_regions(n: int) -> None:
+    """Bring back the host copies of the ``n`` regions before the one backward is reading
+    (default 1; 0: each copy comes back when it is unpacked)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"prefetch_regions() takes a number of regions >= 0, got {n!r}")
+    _AHEAD[0] = n
+
+
+def _side_stream(device: torch.device, kind: str = "out"):
+    """The stream device-to-host copies (``"out"``) or prefetches (``"in"``) run on, one per
+    CUDA device each."""
     with _lock:
-        s = _streams.get(device)
+        s = _streams.get((device, kind))
         if s is None:
-            s = _streams[device] = torch.cuda.Stream(device)
+            s = _streams[(device, kind)] = torch.cuda.Stream(device)
         return s
+
+
+def _register(copies: list) -> None:
+    """A region's copies, at its end: the next batch (dead and fully read ones pruned)."""
+    with _lock:
+        _batches[:] = [b for b in _batches if any(r() is not None for r in b)]
+        batch = [weakref.ref(c) for c in copies]
+        for c in copies:
+            c.batch = batch
+        _batches.append(batch)
+
+
+def _prefetch_before(batch: list) -> None:
+    """``batch`` is being read: start the copies of the regions before it (``_AHEAD``)."""
+    ahead = _AHEAD[0]
+    if not ahead:
+        return
+    with _lock:
+        try:
+            i = next(k for k, b in enumerate(_batches) if b is batch)
+        except StopIteration:
+            return
+        earlier = _batches[max(0, i - ahead) : i]
+    for b in earlier:
+        for r in b:
+            c = r()
+            if c is not None:
+                c.prefetch()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -63,7 +110,18 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 class HostCopy:
     """One state (``state``) of a storage group, copied to host memory during the forward."""
 
-    __slots__ = ("host", "device", "state", "event", "token", "version", "ref")
+    __slots__ = (
+        "host",
+        "device",
+        "state",
+        "event",
+        "token",
+        "version",
+        "ref",
+        "batch",
+        "prefetched",
+        "__weakref__",
+    )
 
     def __init__(self, t: torch.Tensor, state: int):
         self.device = t.device
@@ -72,6 +130,8 @@ class HostCopy:
         self.token = None  # a storage-less tensor sharing the saved tensor's version counter
         self.version = None  # the token's version when the region ended (None: still recording)
         self.ref = weakref.ref(t)  # the program's tensor, to make the token from later (see watch)
+        self.batch = None  # its region's copies (``_register``)
+        self.prefetched = None  # False: asked for; else (CUDA) the device buffer and its event
         with torch._C._DisableTorchDispatch(), torch.no_grad():
             src = _flat(t)
             if t.device.type == "cuda":
@@ -137,10 +197,37 @@ class HostCopy:
             torch.cuda.current_stream(self.device).wait_event(self.event)
 
     # -- back to the device --
+    def prefetch(self) -> None:
+        """Start bringing the copy back now (CUDA: on a side stream), once."""
+        if self.prefetched is not None:
+            return
+        self.prefetched = False
+        if self.device.type != "cuda" or not self.unchanged:
+            return
+        with torch.no_grad():
+            side = _side_stream(self.device, "in")
+            with torch.cuda.stream(side):
+                side.wait_event(self.event)
+                out = torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device)
+                out.copy_(self.host, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+        self.prefetched = (out, done)
+
     def source(self) -> torch.Tensor:
         """A uint8 tensor on the device holding the copied bytes (on the CPU: the copy itself)."""
+        if self.batch is not None:
+            _prefetch_before(self.batch)
         if self.device.type == "cpu":
             return self.host
+        ahead = self.prefetched
+        if ahead:  # brought back ahead: handed out once, then let go
+            self.prefetched = False
+            out, done = ahead
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(done)
+            out.record_stream(main)  # allocated on the side stream, read and freed on this one
+            return out
         with torch.no_grad():
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).wait_event(self.event)
@@ -200,4 +287,8 @@ def settle(groups, kept: list) -> list:
     for slot in kept:
         if slot.host is not None:
             slot.host.settle()
+    copies = {id(g.host): g.host for g in groups if g.host is not None}
+    copies.update((id(s.host), s.host) for s in kept if s.host is not None)
+    if copies:
+        _register(list(copies.values()))
     return kept
