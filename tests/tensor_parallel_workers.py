@@ -202,6 +202,9 @@ def replayed(rank, world):
         names = {"recompute_all": rc(policies.recompute_all())}
         if kind == "moe":
             names["min_cut"] = rc(policies.min_cut())  # plans from each rank's own splits
+            names["either"] = policies.either(
+                rc(policies.recompute_all()), policies.save_names("none")
+            )  # found inside
         for name, policy in names.items():
             tracedac.checkpoint(block, policy=policy)
             try:
@@ -210,6 +213,21 @@ def replayed(rank, world):
             except CheckpointError as e:
                 out[f"{kind} {name}"] = str(e)
             tracedac.unwrap(block)
+    # a region replaying its all-reduce inside a region that keeps everything it can
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as fc
+
+    def inner(t):
+        return fc.all_reduce(t.sin(), "sum", dist.group.WORLD).cos()
+
+    def outer(f):
+        return lambda t: f(t.exp()) * 2
+
+    x = torch.randn(4, requires_grad=True)
+    (want,) = torch.autograd.grad(outer(inner)(x).sum(), x)
+    nested = tracedac.checkpoint(outer(tracedac.checkpoint(inner, policy=rc(policies.recompute_all()))))
+    (got,) = torch.autograd.grad(nested(x).sum(), x)
+    out["nested"] = float((got - want).abs().max())
     block, x, inputs = _setup(rank, world, "sp")
     *plain, want = _step(block, block, x, inputs)
     out["sp plain"] = tuple(plain)

@@ -369,7 +369,7 @@ def _last_batches(n: int) -> list:
 
 
 def _live(batches) -> list:
-    return [[c for c in (r() for r in b) if c is not None] for b in batches]
+    return [[c for c in (r() for r in b.refs) if c is not None] for b in batches]
 
 
 def test_reading_a_regions_host_copies_brings_back_the_region_before_it_and_no_further():

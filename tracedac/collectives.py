@@ -9,23 +9,27 @@ which backward issues again, as torch's checkpoint does, holding their results n
 
 Then every rank must replay the same ones. At the region's end, once its replay plan is
 made, the ranks of each collective's group compare which of the region's collectives of that
-group the plan replays (one ``all_gather_object`` per group and region call: the price of the
-request), and all refuse together where they differ: a planner planning from each rank's own
-bytes, an MoE's uneven splits. In-place ``torch.distributed`` collectives and ops registered
-with an effect stay kept: replay cannot redo a write into the program's tensor, and a
-registered effect says nothing of how to wait for it.
+group the plan replays (one all-reduce of two integers per group and region call: the price
+of the request; the lists themselves are gathered only when they differ), and all refuse
+together where they differ (a planner planning from each rank's own bytes, an MoE's uneven
+splits), or where a rank could not plan its replay at all. In-place ``torch.distributed``
+collectives and ops registered with an effect stay kept: replay cannot redo a write into the
+program's tensor, and a registered effect says nothing of how to wait for it.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ._compat import process_group_named
 from .decisions import FUNCTIONAL_NAMESPACES, Held, decision, effect
 from .errors import CheckpointError
 from .planners import planner_of
+from .trace import unrecorded
 
 __all__ = ["ReplayCollectives", "check_agreement", "replay_collectives", "replayable"]
 
@@ -83,22 +87,51 @@ def _group_name(node) -> str | None:
     return None
 
 
-def check_agreement(graph, replayed: frozenset) -> None:
+def _signature(plan) -> int:
+    """A number every rank computes alike for the same plan (Python's ``hash`` of a string is
+    salted per process); -1 for a rank whose plan failed."""
+    return -1 if plan is None else zlib.crc32(repr(plan).encode())
+
+
+def _agree(group, plan) -> list | None:
+    """None when every rank of ``group`` has the same ``plan`` (one all-reduce of two
+    integers); else every rank's plan (gathered only then, for the message)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    sig = _signature(plan)
+    both = torch.tensor([sig, -sig], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) == sig and -int(both[1]) == sig:
+        return None
+    plans = [None] * dist.get_world_size(group)
+    dist.all_gather_object(plans, plan, group=group)
+    return plans
+
+
+def check_agreement(graph, replayed: frozenset | None, error: Exception | None = None) -> None:
     """Refuse, on every rank of a group, a region whose replay plan (``replayed``: the node
-    indices backward will run) replays other collectives of that group than another rank's."""
+    indices backward will run) replays other collectives of that group than another rank's;
+    ``error``: this rank could not plan its replay at all (every rank then refuses with it)."""
     mine: dict[str, list] = {}
     for node in graph.nodes:
         if effect(node.op) is not None and replayable(node.op):
             name = _group_name(node)
             if name is not None:
-                mine.setdefault(name, []).append((node.name, node.index in replayed))
+                mine.setdefault(name, []).append((node.name, replayed is not None and node.index in replayed))
     for name, plan in sorted(mine.items()):
         group = process_group_named(name)
-        plans = [None] * dist.get_world_size(group)
-        dist.all_gather_object(plans, plan, group=group)
-        if all(p == plan for p in plans):
+        with unrecorded():  # the check is not the program's: a region around this one skips it
+            plans = _agree(group, None if error is not None else plan)
+        if plans is None:
             continue
         rank = dist.get_rank(group)
+        failed = next((r for r, p in enumerate(plans) if p is None), None)
+        if failed is not None:
+            if error is not None:
+                return  # this rank's own error is raised by the caller
+            raise CheckpointError(
+                f"region {graph.name!r}: rank {failed} of group {name!r} could not plan its replay "
+                "(its error says why), so this rank stops too rather than wait for it in backward."
+            )
         other = next(r for r, p in enumerate(plans) if p != plan)
 
         def listed(p):

@@ -49,6 +49,7 @@ __all__ = [
     "is_save",
     "needs_wait",
     "recompute_by_default",
+    "replays_collectives",
     "resolve",
 ]
 
@@ -146,6 +147,15 @@ def needs_wait(op) -> bool:
     return known[1]
 
 
+def replays_collectives(policy) -> bool:
+    """Whether ``policy``, or one it combines (``either``, ``offload_kept``), was wrapped in
+    ``replay_collectives`` (collectives.py): then it decides functional collectives itself."""
+    if getattr(policy, "replays_collectives", False) is True:
+        return True
+    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
+    return any(p is not None and p is not policy and replays_collectives(p) for p in inner)
+
+
 def decision(policy, node) -> CheckpointPolicy:
     """``policy(node)``, checked: a CheckpointPolicy tracedac can carry out."""
     d = policy(node)
@@ -168,7 +178,7 @@ def resolve(policy, node, constant=None) -> CheckpointPolicy:
     why = effect(op)
     if why is None:
         return d
-    if getattr(policy, "replays_collectives", False) and op.namespace in FUNCTIONAL_NAMESPACES:
+    if op.namespace in FUNCTIONAL_NAMESPACES and replays_collectives(policy):
         return d  # replay_collectives(policy): asked for, and checked across ranks (collectives.py)
     if d is MUST_RECOMPUTE:
         raise CheckpointError(

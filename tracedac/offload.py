@@ -53,7 +53,17 @@ __all__ = ["HostCopy", "host_copy", "prefetch_regions", "settle"]
 _streams: dict = {}
 _lock = threading.Lock()
 _AHEAD = [1]  # regions whose copies come back ahead of the one backward reads (prefetch_regions)
-_batches: list = []  # one list of weak references to HostCopy per region, in forward order
+_batches: list = []  # one _Batch per region, in forward order
+
+
+class _Batch:
+    """A region's host copies (weak references), and whether backward has begun reading them."""
+
+    __slots__ = ("refs", "read")
+
+    def __init__(self, copies: list):
+        self.refs = [weakref.ref(c) for c in copies]
+        self.read = False
 
 
 def prefetch_regions(n: int) -> None:
@@ -75,20 +85,21 @@ def _side_stream(device: torch.device, kind: str = "out"):
 
 
 def _register(copies: list) -> None:
-    """A region's copies, at its end: the next batch (dead and fully read ones pruned)."""
+    """A region's copies, at its end: the next batch (batches whose copies are all gone pruned)."""
     with _lock:
-        _batches[:] = [b for b in _batches if any(r() is not None for r in b)]
-        batch = [weakref.ref(c) for c in copies]
+        _batches[:] = [b for b in _batches if any(r() is not None for r in b.refs)]
+        batch = _Batch(copies)
         for c in copies:
             c.batch = batch
         _batches.append(batch)
 
 
 def _prefetch_before(batch: list) -> None:
-    """``batch`` is being read: start the copies of the regions before it (``_AHEAD``)."""
+    """``batch`` is being read: start the copies of the regions before it (``_AHEAD``), once."""
     ahead = _AHEAD[0]
-    if not ahead:
+    if not ahead or batch.read:
         return
+    batch.read = True
     with _lock:
         try:
             i = next(k for k, b in enumerate(_batches) if b is batch)
@@ -96,7 +107,7 @@ def _prefetch_before(batch: list) -> None:
             return
         earlier = _batches[max(0, i - ahead) : i]
     for b in earlier:
-        for r in b:
+        for r in b.refs:
             c = r()
             if c is not None:
                 c.prefetch()

@@ -14,9 +14,9 @@ device, offloaded to host memory, or replayed. The model, in the cost's own unit
   back hide as well as the copies out). A copy hidden in ``C`` adds nothing to the step; one
   that is not adds its copy time out and back. Tensors are placed whole: a copy is hidden
   or paid in full. Copies the policy itself asked for (``offload_ops``...) fill ``C`` first.
-  The copies back hide only where they are issued ahead of their use: ``offload.py`` brings
-  each back when backward unpacks it (no prefetch yet), so today that copy is exposed on a
-  GPU; the model prices what a prefetching runtime pays.
+  The copies back hide only where they are issued ahead of their use: ``offload.py``
+  prefetches a region ahead (``prefetch_regions``), which is what the model assumes; on a
+  GPU that is still to be measured.
 
 In the cost's unit a byte over the link is worth ``flop_rate / bandwidth`` FLOPs (``1e9 /
 bandwidth`` ns): the exchange rate ``per_byte``. The least estimated step time within the

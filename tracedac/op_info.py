@@ -73,8 +73,10 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     wrapper is: returning the input itself makes autograd call the result a view made in a
     custom function, which the program could then not write in place."""
     torch.ops._c10d_functional.wait_tensor.default._op(t)
-    out = t.new_empty(0)
-    return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    # Made below every mode: a region around this one would record the set_ as a storage swap.
+    with torch._C._DisableTorchDispatch():
+        out = t.new_empty(0)
+        return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 _WAIT = "_c10d_functional::_wrap_tensor_autograd"  # an op the recorder runs as something else

@@ -19,7 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
 from .collectives import check_agreement
 from .compile import traced_region
-from .decisions import is_offload, is_save, resolve
+from .decisions import is_offload, is_save, replays_collectives, resolve
+from .errors import CheckpointError
 from .graph import RegionGraph
 from .location import track_modules
 from .naming import arg_refs, describe, module_table, registered_name
@@ -171,7 +172,8 @@ class Region:
     def pack(self, t: torch.Tensor):
         handle = self._pack(t)
         if self.handles is not None:
-            self.handles.extend(handle.leaves() if is_subclass(t) else (handle,))
+            leaves = getattr(handle, "leaves", None)  # a subclass's handle: its plain tensors'
+            self.handles.extend(leaves() if leaves is not None else (handle,))
         return handle
 
     def _pack(self, t: torch.Tensor):
@@ -278,9 +280,16 @@ class Region:
                 graph.add_slot(slot)
         kept_groups = {slot.meta.group for slot in self.kept}
         self.kept = []
-        p = plan(graph, [(s.meta.group, s.meta.state) for s in graph.slots()])  # not kept: memory
-        if getattr(self.policy, "replays_collectives", False):
-            check_agreement(graph, frozenset(p.nodes))  # every rank replays the same collectives
+        wanted = [(s.meta.group, s.meta.state) for s in graph.slots()]  # not kept: memory
+        if not replays_collectives(self.policy):
+            p = plan(graph, wanted)
+        else:  # every rank replays the same collectives, or every rank refuses (collectives.py)
+            try:
+                p = plan(graph, wanted)
+            except CheckpointError as e:
+                check_agreement(graph, None, error=e)
+                raise
+            check_agreement(graph, frozenset(p.nodes))
         self._release(p, kept_groups)
 
     def _hand_inputs_to_parent(self) -> None:

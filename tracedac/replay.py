@@ -160,13 +160,6 @@ def _wait_tensor(t: torch.Tensor) -> None:
     torch.ops._c10d_functional.wait_tensor.default._op(t)
 
 
-def _issues_collectives(graph: RegionGraph, p: Plan) -> bool:
-    """Whether the plan replays a collective (``replay_collectives``): run op by op, each
-    waited for, not by compiled replay."""
-    nodes = graph.nodes
-    return any(needs_wait(nodes[i].op) for i in p.nodes)
-
-
 def _source(g: Group, kind: str) -> torch.Tensor:
     """A tensor on the storage a group starts from."""
     if kind == "held":
@@ -317,12 +310,8 @@ def _replay(graph: RegionGraph, caller: Slot) -> None:
             raise changed_error(graph, changed[0]) from None
     graph.passes += 1
     graph.replayed_ops += len(p.nodes)
-    if (
-        compiled._enabled
-        and not _fill_nan
-        and not _issues_collectives(graph, p)
-        and _run_compiled(graph, p, slots)
-    ):
+    # (a plan that replays a collective is refused by compiled replay: aten and prims ops only)
+    if compiled._enabled and not _fill_nan and _run_compiled(graph, p, slots):
         return
     reads, last_use = p.reads, p.last_use()
     nodes, groups, starts = graph.nodes, graph.groups, p.starts

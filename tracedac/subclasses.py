@@ -25,7 +25,16 @@ import torch
 from ._compat import is_fake_type, is_wrapper_subclass
 from .errors import CheckpointError
 
-__all__ = ["Flattened", "Held", "check_replayable", "decline", "has_subclass", "is_subclass", "saved"]
+__all__ = [
+    "Constant",
+    "Flattened",
+    "Held",
+    "check_replayable",
+    "decline",
+    "has_subclass",
+    "is_subclass",
+    "saved",
+]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 _DISABLED = torch._C._disabled_torch_dispatch_impl
@@ -34,13 +43,27 @@ _DISABLED = torch._C._disabled_torch_dispatch_impl
 def is_subclass(t: torch.Tensor) -> bool:
     """Whether ``t`` is a subclass with a dispatch of its own (not a plain tensor, parameter
     or buffer, nor a subclass that only adds Python methods)."""
-    return type(t) not in _PLAIN_TYPES and type(t).__torch_dispatch__ is not _DISABLED
+    return _own_dispatch(type(t))
+
+
+_SEEN: dict = {}  # types -> whether they name a subclass with a dispatch of its own
 
 
 def has_subclass(types) -> bool:
     """Whether the ``types`` a dispatch mode is given name a subclass with a dispatch of its
-    own (they may name plain ``torch.Tensor`` too)."""
-    return any(t not in _PLAIN_TYPES and t.__torch_dispatch__ is not _DISABLED for t in types)
+    own (they may name plain ``torch.Tensor`` too). One lookup per op after the first sight of
+    its argument types (the classes are held: few, and alive for the process anyway)."""
+    try:
+        known = _SEEN.get(types)
+    except TypeError:  # (torch hands a tuple; anything else is looked at each time)
+        return any(_own_dispatch(t) for t in types)
+    if known is None:
+        known = _SEEN[types] = any(_own_dispatch(t) for t in types)
+    return known
+
+
+def _own_dispatch(cls) -> bool:
+    return cls not in _PLAIN_TYPES and cls.__torch_dispatch__ is not _DISABLED
 
 
 def _unreplayable(t: torch.Tensor, where: str) -> CheckpointError:
@@ -107,7 +130,7 @@ class Flattened:
     def leaves(self):
         """The handles of the plain tensors inside, nested subclasses' included."""
         for h in self.inner.values():
-            if isinstance(h, (Flattened, Held, _Constant)):
+            if isinstance(h, (Flattened, Held, Constant)):
                 yield from h.leaves()
             else:
                 yield h
@@ -118,8 +141,9 @@ class Flattened:
         return self.cls.__tensor_unflatten__(inner, self.context, self.size, self.stride)
 
 
-class _Constant:
-    """An inner object that is not a tensor (a DTensor's device mesh): handed back as it is."""
+class Constant:
+    """An inner object handed back as it is: one that is not a tensor (a DTensor's device
+    mesh), or a tensor its packer keeps (``zero/unit.py``)."""
 
     __slots__ = ("value",)
 
@@ -134,7 +158,7 @@ class _Constant:
 
 
 def _pack_inner(x, pack):
-    return pack(x) if isinstance(x, torch.Tensor) else _Constant(x)
+    return pack(x) if isinstance(x, torch.Tensor) else Constant(x)
 
 
 class Held:

@@ -149,36 +149,47 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
     )
 
 
-def _check_against(metadata, state: dict, where, group) -> None:
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+def _mismatch(saved: dict, flat: dict, where) -> str | None:
+    """What makes this rank's model and the checkpoint disagree, or None."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    flat, _ = flatten_state_dict(state)
-    saved = metadata.state_dict_metadata
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor):
             continue
         md = saved.get(key)
         if md is None:
-            raise ZeroError(
+            return (
                 f"checkpoint {str(where)!r} has no entry {key!r}, which the model (or its "
                 "optimizer) needs; it was saved from another model."
             )
         if not isinstance(md, TensorStorageMetadata):
-            raise ZeroError(
-                f"checkpoint entry {key!r} is not a tensor, the model's is; saved from another model."
-            )
+            return f"checkpoint entry {key!r} is not a tensor, the model's is; saved from another model."
         if tuple(md.size) != tuple(value.shape) or md.properties.dtype != value.dtype:
-            raise ZeroError(
+            return (
                 f"checkpoint entry {key!r} is {tuple(md.size)} {md.properties.dtype} but the model's is "
                 f"{tuple(value.shape)} {value.dtype}; it was saved from another model (dcp.load would "
                 f"{'cast it silently' if tuple(md.size) == tuple(value.shape) else 'refuse it'})."
             )
-    # Entries no rank of the group has: an expert-parallel model's ranks hold different
-    # experts, and the checkpoint holds every rank's.
-    keys = [None] * dist.get_world_size(group)
-    dist.all_gather_object(keys, list(flat), group=group)
-    known = set().union(*keys)
+    return None
+
+
+def _check_against(metadata, state: dict, where, group) -> None:
+    """Refuse, on every rank of ``group`` alike, a checkpoint some rank's model disagrees with:
+    each rank's keys and first mismatch are gathered before anyone raises (an expert-parallel
+    model's ranks hold different experts, so one rank may find what the others do not; a rank
+    raising alone would leave the others waiting in the gather)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    saved = metadata.state_dict_metadata
+    found = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, (list(flat), _mismatch(saved, flat, where)), group=group)
+    problems = [(r, p) for r, (_, p) in enumerate(found) if p is not None]
+    if problems:
+        rank, problem = problems[0]
+        raise ZeroError(f"{problem} (found by rank {rank} of the checkpoint's group)")
+    # Entries no rank of the group has (the checkpoint holds every rank's experts)
+    known = set().union(*(keys for keys, _ in found))
     prefixes = tuple(f"{k}." for k in state)
     extra = [k for k in saved if k.startswith(prefixes) and k not in known]
     if extra:

@@ -23,7 +23,7 @@ from torch import nn
 from .._compat import _VERSION, class_forward, is_wrapper_subclass
 from ..compile.registry import install_traced
 from ..region import current_region, tracing
-from ..subclasses import Flattened, is_subclass
+from ..subclasses import Constant, Flattened, is_subclass
 from .errors import ZeroError
 from .gathered import Gathered, Handle, handle_for
 from .group import FlatGroup
@@ -235,20 +235,8 @@ def _pack(t: torch.Tensor):
     return t if h is None else h
 
 
-class _Kept:
-    """An inner tensor of a saved subclass that is not on a gathered buffer: kept as it is."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def unpack(self):
-        return self.value
-
-
 def _pack_inner(t: torch.Tensor):
-    return handle_for(t) or _Kept(t)
+    return handle_for(t) or Constant(t)
 
 
 def _unpack(x):

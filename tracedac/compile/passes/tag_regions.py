@@ -48,6 +48,7 @@ from ...decisions import (
     effect,
     is_offload,
     is_save,
+    replays_collectives,
     resolve,
 )
 from ...errors import CheckpointError
@@ -147,7 +148,7 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
     ``later(n)``: whether fx node ``n`` belongs to a region after this one."""
     graph = view.graph
     planner = planner_of(policy)
-    if getattr(policy, "replays_collectives", False):
+    if replays_collectives(policy):
         raise CheckpointError(
             f"region {graph.name!r} runs under torch.compile with {policy!r}: replaying collectives is "
             "eager only (a compiled region keeps every collective: torch's partitioner would recompute "
