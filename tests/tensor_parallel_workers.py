@@ -105,7 +105,8 @@ def eager(rank, world, kind):
 def compiled(rank, world, kind, names=tuple(POLICIES)):
     """The block compiled fullgraph (``aot_eager_decomp_partition``) in a region under each
     policy: per name, (the forward graph's collectives, the (recompute, decision) tags on them,
-    collectives backward recomputes, graph breaks, gradient difference from eager plain)."""
+    the backward graph's collectives and the eager uncheckpointed block's backward collectives,
+    each {op name: count}, graph breaks, gradient difference from eager plain)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -113,7 +114,8 @@ def compiled(rank, world, kind, names=tuple(POLICIES)):
     from tracedac.compile.vocab import DECISION
 
     block, x, inputs = _setup(rank, world, kind)
-    *_, want = _step(block, block, x, inputs)
+    _, eager_backward, want = _step(block, block, x, inputs)
+    eager_backward = {op.split(".")[-1]: n for op, n in eager_backward.items()}
 
     def is_collective(n) -> bool:
         return getattr(n.target, "namespace", None) == "_c10d_functional" and "wait" not in str(n.target)
@@ -131,13 +133,15 @@ def compiled(rank, world, kind, names=tuple(POLICIES)):
         nodes = [n for n in part.fw.graph.nodes if is_collective(n)]
         forward = sorted(str(n.target) for n in nodes)
         tags = {(n.meta.get("recompute"), n.meta.get(DECISION)) for n in nodes}
-        recomputed = [str(n.target) for n in part.replayed if is_collective(n)]
+        backward = [n.target._opname for n in part.bw.graph.nodes if is_collective(n)]
+        backward = {op: backward.count(op) for op in set(backward)}
         torch._dynamo.reset()
         xg = x.clone().requires_grad_()
         block.zero_grad()
         torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)(xg).backward()
         got = [xg.grad, *(_full(p.grad) for p in block.parameters())]
-        out[name] = (forward, tags, recomputed, sum(counters["graph_break"].values()), _difference(got, want))
+        breaks = sum(counters["graph_break"].values())
+        out[name] = (forward, tags, backward, eager_backward, breaks, _difference(got, want))
         tracedac.unwrap(block)
     return out
 

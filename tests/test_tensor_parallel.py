@@ -56,12 +56,19 @@ def test_a_module_region_takes_a_collectives_async_result_made_before_it(eager_r
 
 
 def test_a_compiled_dtensor_block_in_a_region_recomputes_no_collective_and_matches_eager(compiled_ranks):
+    """The region's collectives tagged MUST_SAVE, and the compiled backward issuing no collective
+    the uncheckpointed block's backward does not (counted by op: torch 2.14's partitioner
+    merges a backward all-gather with its forward twin, so a name alone cannot tell a recompute
+    from the backward's own)."""
     for kind, names in (("tp", POLICIES[0::2]), ("sp", POLICIES[1::2])):
         for rank in part(compiled_ranks, f"compiled_{kind}"):
             for name in names:
-                forward, tags, recomputed, breaks, difference = rank[name]
+                forward, tags, backward, eager_backward, breaks, difference = rank[name]
                 assert forward, "the region's collectives are in the forward graph"
                 assert {recompute for recompute, _ in tags} == {CheckpointPolicy.MUST_SAVE}
-                assert recomputed == []
+                assert all(n <= eager_backward.get(op, 0) for op, n in backward.items()), (
+                    backward,
+                    eager_backward,
+                )
                 assert breaks == 0
                 assert difference < 1e-5
