@@ -1,5 +1,6 @@
 """The notebooks run top to bottom in a fresh kernel and show what they promise."""
 
+import concurrent.futures
 import os
 import pathlib
 
@@ -31,6 +32,26 @@ def execute(name: str, tmp_path) -> str:
     return "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs)
 
 
+# the slowest first: two kernels at a time finish together
+NAMES = [
+    "03_compile.ipynb",
+    "04_zero.ipynb",
+    "05_huggingface.ipynb",
+    "02_memory_budget.ipynb",
+    "01_tour.ipynb",
+]
+
+
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory):
+    """Every notebook started at once, two kernels at a time (a kernel keeps one core busy and
+    this test process waits): ``printed(name)`` waits for one and returns what it printed."""
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    runs = {name: pool.submit(execute, name, tmp_path_factory.mktemp(name.split(".")[0])) for name in NAMES}
+    yield lambda name: runs[name].result()
+    pool.shutdown(cancel_futures=True)
+
+
 def test_every_notebook_is_tested():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == [
         "01_tour.ipynb",
@@ -39,10 +60,11 @@ def test_every_notebook_is_tested():
         "04_zero.ipynb",
         "05_huggingface.ipynb",
     ]
+    assert sorted(NAMES) == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))  # each one is run
 
 
-def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twice_under_torch(tmp_path):
-    text = execute("01_tour.ipynb", tmp_path)
+def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twice_under_torch(printed):
+    text = printed("01_tour.ipynb")
     assert "gradients bitwise equal to the un-checkpointed block: True" in text
     assert "torch.utils.checkpoint     512 tokens counted (true count 256)" in text
     assert "tracedac.checkpoint        256 tokens counted (true count 256)" in text
@@ -54,8 +76,8 @@ def test_the_tour_runs_and_shows_the_router_counting_once_under_tracedac_and_twi
     assert "tracedac memory_budget(0.3)  all-to-alls: 3 in forward, 2 in backward" in text
 
 
-def test_the_memory_budget_notebook_sweeps_plots_picks_and_reports(tmp_path):
-    text = execute("02_memory_budget.ipynb", tmp_path)
+def test_the_memory_budget_notebook_sweeps_plots_picks_and_reports(printed):
+    text = printed("02_memory_budget.ipynb")
     assert "plans on the frontier" in text and "recompute_all()" in text and "save_matmuls()" in text
     assert "<Figure" in text, "the frontier is plotted"
     assert "kept by memory_budget(" in text, "the report says which planner kept each tensor"
@@ -64,8 +86,8 @@ def test_the_memory_budget_notebook_sweeps_plots_picks_and_reports(tmp_path):
     assert "min_cut keeps" in text
 
 
-def test_the_compile_notebook_shows_each_policys_partition_side_effects_and_gradients(tmp_path):
-    text = execute("03_compile.ipynb", tmp_path)
+def test_the_compile_notebook_shows_each_policys_partition_side_effects_and_gradients(printed):
+    text = printed("03_compile.ipynb")
     assert "no checkpoint:" in text and "recompute_all()" in text and "memory_budget(0.5)" in text
     assert "save_matmuls() -> MUST_SAVE" in text, "print_saved names the decision of each saved value"
     assert "replayed in backward under recompute_all():" in text and "aten.addmm.default" in text
@@ -74,8 +96,8 @@ def test_the_compile_notebook_shows_each_policys_partition_side_effects_and_grad
     assert "gradients equal to the compiled model without checkpointing: True" in text
 
 
-def test_the_huggingface_notebook_trains_with_tracedac_under_the_trainer(tmp_path):
-    text = execute("05_huggingface.ipynb", tmp_path)
+def test_the_huggingface_notebook_trains_with_tracedac_under_the_trainer(printed):
+    text = printed("05_huggingface.ipynb")
     assert "kept by memory_budget(0.5)" in text and "model.layers.1.mlp.up_proj" in text
     assert "regions: ['model.layers.0', 'model.layers.1']" in text
     assert "tracedac: training loss" in text and "MLP calls per layer in 4 steps: {'0': 4, '1': 4}" in text
@@ -85,11 +107,11 @@ def test_the_huggingface_notebook_trains_with_tracedac_under_the_trainer(tmp_pat
     assert "state_dict keys unchanged: True" in text and "checkpointing on: False" in text
 
 
-def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memory(tmp_path):
+def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memory(printed):
     import ast
     import re
 
-    text = execute("04_zero.ipynb", tmp_path)
+    text = printed("04_zero.ipynb")
     assert "blocks.0.up.weight     DTensor  (Shard(dim=0),)" in text
     assert "forward graph of block 0: ['all_gather', 'release']" in text
     assert "backward graph of block 0: ['all_gather', 'reduce_grad']" in text and "graph breaks: 0" in text

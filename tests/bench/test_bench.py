@@ -25,19 +25,30 @@ TRACEDAC = ("tracedac_recompute_all", "tracedac_save_matmuls")
 
 
 @pytest.fixture(scope="module")
-def quick():
-    """One --quick run shared by the tests that read its figures.
+def cli(tmp_path_factory):
+    """One ``python -m benchmarks --quick --json`` run: its figures read back, and what it
+    printed. Shared by the tests that read its figures and the test of the command itself.
 
     Its timings mean nothing, so it runs on one thread: on a loaded machine idle OpenMP
     workers spin and turn a tiny model's seconds into a minute.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        # system_malloc: leave glibc as it is for the rest of the test process
-        yield checkpointing.run(quick=True, progress=None, system_malloc=True)
-    finally:
-        torch.set_num_threads(threads)
+    path = tmp_path_factory.mktemp("quick") / "figures.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--json", str(path)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,  # benchmarks/ is not installed
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(path.read_text()), done
+
+
+@pytest.fixture(scope="module")
+def quick(cli):
+    """The figures of the one --quick run."""
+    return cli[0]
 
 
 def rows(result) -> dict:
@@ -197,19 +208,8 @@ def test_the_probe_sees_a_4_mib_tensor_at_the_allocator():
     assert 4 << 20 <= grown < 5 << 20
 
 
-def test_the_cli_writes_every_figure_as_json(tmp_path):
-    path = tmp_path / "figures.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # see the quick fixture
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--steps", "1", "--json", str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,  # benchmarks/ is not installed
-    )
-    assert done.returncode == 0, done.stderr
-    figures = json.loads(path.read_text())
+def test_the_cli_writes_every_figure_as_json(cli):
+    figures, done = cli
     assert {"config", "variants", "tracing", "targets", "wall_s"} <= figures.keys()
     assert "goals (" in done.stdout and "a missed goal is a figure, not an error" in done.stdout
     assert "[1/6]" in done.stderr  # progress goes to stderr

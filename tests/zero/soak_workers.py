@@ -76,7 +76,9 @@ def host_bytes_per_step(rank, world, mode: str, steps: int, warmup: int = 30) ->
     """Bytes the allocator holds after ``warmup + steps`` steps beyond after ``warmup``, per
     step, and the same for Python objects the garbage collector tracks."""
     m, call, words = build(mode)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    # foreach: the implementation torch picks on GPUs; CPU's default loops over the parameters,
+    # each of its ops dispatched through DTensor on its own: half of a step's time here
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, D, generator=g), torch.randn(8, generator=g)
     autocast = torch.autocast("cpu", torch.bfloat16, enabled="auto" in words)

@@ -1,15 +1,16 @@
 """Run a function on N ranks of a real gloo process group, with a hard timeout.
 
-``run_ranks(fn, world, *args)`` spawns ``world`` processes, each initializing gloo through a
+``run_ranks(fn, world, *args)`` starts ``world`` processes, each initializing gloo through a
 file in a fresh temporary directory (no ports), calls ``fn(rank, world, *args)`` and
 returns the list of what each returned. A child's exception is re-raised in the parent
 with its traceback; a run past ``timeout`` kills every child and fails, so no test can hang.
+``start_ranks`` returns at once, so that a test can wait for two groups running together.
 
-Ranks are forked from multiprocessing's fork server, which imports torch and tracedac once for
-the session: a spawned interpreter spends some 3.5 s of CPU importing them again, for each of
-the suite's ~55 ranks. The fork server is a fresh interpreter that has run nothing (no thread
-pool, no process group, no compile), so each rank starts as a spawned one would, with this
-process's current environment (the server's is the one it started with) and working directory.
+The ranks are forked from multiprocessing's fork server, which imports torch, tracedac and
+dynamo once for the session: a spawned interpreter spent some 3.5 s of CPU importing them,
+for each of the suite's ~60 ranks. The server has only imported (no thread pool, process
+group or compile has run in it), so a rank starts as a spawned one would; it is handed this
+process's environment of the moment (the server's own is the one it started with).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Ranks:
             args=(fn, world, self._tmp.name, args, {**os.environ, **(env or {})}),
             nprocs=world,
             join=False,
-            start_method=os.environ.get("TDW_START", "forkserver"),
+            start_method="forkserver",
         )
         self._deadline = time.monotonic() + timeout
 
