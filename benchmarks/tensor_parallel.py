@@ -57,25 +57,26 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-def _parallelize(blocks: nn.ModuleList, mesh, kind: str) -> None:
+def plan(kind: str) -> dict:
+    """torch's tensor-parallel plan of a ``Block``: ``"tp"`` (Colwise then Rowwise) or ``"sp"``
+    (sequence parallel around them: the tokens sharded on dim 0 in and out)."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if kind == "tp":
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    return {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(0)),
+        "down": RowwiseParallel(output_layouts=Shard(0), use_local_output=False),
+    }
+
+
+def _parallelize(blocks: nn.ModuleList, mesh, kind: str) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
 
     for b in blocks:
-        if kind == "tp":
-            plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-        else:
-            plan = {
-                "norm": SequenceParallel(),
-                "up": ColwiseParallel(input_layouts=Shard(0)),
-                "down": RowwiseParallel(output_layouts=Shard(0), use_local_output=False),
-            }
-        parallelize_module(b, mesh, plan)
+        parallelize_module(b, mesh, plan(kind))
 
 
 def _checkpointed(blocks: nn.ModuleList, variant: str):

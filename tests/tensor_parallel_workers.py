@@ -12,18 +12,15 @@ forward and in backward (torch's ``CommDebugMode``) and the gradients.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
 import tracedac
+from benchmarks.tensor_parallel import Block, plan
 
 from .collective_workers import POLICIES
 
@@ -31,33 +28,12 @@ D = 16
 TOKENS = 8
 
 
-class Block(nn.Module):
-    def __init__(self, d: int = D, h: int = 32):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-def _plan(kind: str) -> dict:
-    if kind == "tp":
-        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
-    return {
-        "norm": SequenceParallel(),
-        "up": ColwiseParallel(input_layouts=Shard(0)),
-        "down": RowwiseParallel(output_layouts=Shard(0), use_local_output=False),
-    }
-
-
 def _setup(rank: int, world: int, kind: str):
     """The parallelized block (same weights on every rank before sharding), the whole batch,
     and a function making this rank's input from it (a sequence-sharded DTensor for "sp")."""
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    block = parallelize_module(Block(), mesh, _plan(kind))
+    block = parallelize_module(Block(D, 32), mesh, plan(kind))
     x = torch.randn(TOKENS, D)
 
     def inputs(x):

@@ -17,7 +17,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -453,16 +452,6 @@ def test_hugging_faces_offload_true_makes_a_planner_offload_and_any_other_policy
 
 
 # --- composed: tracedac.zero, MoE side effects --------------------------------------------
-
-
-@pytest.fixture
-def world1(tmp_path):
-    """A world-1 gloo process group in this process (file init), destroyed after the test."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_zero_sharded_blocks_planned_to_offload_train_with_the_gradients_of_no_checkpointing(world1):

@@ -1,4 +1,4 @@
-"""Fixtures shared by the zero tests."""
+"""Fixtures shared by the test folders."""
 
 from __future__ import annotations
 
