@@ -299,6 +299,7 @@ def main(argv=None) -> int:
 
 def _zero(parser: argparse.ArgumentParser, args) -> int:
     from . import probe, zero  # zero imports torch.distributed: only when asked for
+    from .child import leave_ranks
 
     if args.steps is None:
         args.steps = zero.STEPS
@@ -323,12 +324,14 @@ def _zero(parser: argparse.ArgumentParser, args) -> int:
             system_malloc=args.system_malloc,
             compile=args.compile,
         )
-    finally:
+    except BaseException:
         zero.finish()
+        raise
     if rank == 0:  # one table and one file, however many ranks
         print(zero.format_report(figures))
         if args.json:
             _write_json(args.json, figures)
+    leave_ranks()  # does not return
     return 0
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .child import mib, table
+from .child import leave_ranks, mib, table
 from .collectives import CollectiveCounter
 from .probe import allocated_bytes
 
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     result = rank_main(args)
     if dist.get_rank() == 0:
         print("\n".join(report(result, args, dist.get_world_size())))
-    dist.destroy_process_group()
+    leave_ranks()  # does not return
     return 0
 
 

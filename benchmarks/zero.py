@@ -437,10 +437,9 @@ def init(init_method: str, timeout_s: float = 600.0) -> int:
 
 
 def finish() -> None:
-    """End the process group ``init`` started. The barrier first: gloo's barrier completes
-    only after every collective this rank started on the group (a prefetched all-gather
-    nobody consumed), and destroying a group with work in flight can abort the process
-    ("terminate called without an active exception", seen once in CI)."""
+    """End the process group ``init`` started, after a failed run (a finished one ends with
+    ``child.leave_ranks``). The barrier first: gloo's barrier completes only after every
+    collective this rank started on the group (a prefetched all-gather nobody consumed)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

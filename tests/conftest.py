@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
+
+# A child that crashes (a rank, a benchmark run) prints its Python stack before it dies, so a
+# test that fails with a signal says where: every process the suite starts inherits this.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @pytest.fixture
