@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tracedac import policies
-from tracedac.compile.report import partition
+from tracedac.compile.report import partitioned
 from tracedac.integrations import hf
 
-from ..support.hf_models import batch, build, loss
+from ..support.hf_models import batch, build
 from ..test_compile import fresh_dynamo  # noqa: F401  (autouse: dynamo reset around each test)
 
 pytestmark = [
@@ -23,7 +23,8 @@ pytestmark = [
     pytest.mark.slow,
 ]  # slow: not in the quick loop
 
-BACKEND = "aot_eager_decomp_partition"
+# Compiled as aot_eager_decomp_partition compiles (inductor's decompositions and partition, no
+# code generated), with the partition kept: ``compile.report.partitioned``.
 
 
 def inputs():
@@ -33,32 +34,33 @@ def inputs():
     }  # a KV cache asked for in training is transformers' warning: a graph break
 
 
-def compiled_grads(model):
-    from torch._dynamo.utils import counters
-
-    counters["graph_break"].clear()
-    c = torch.compile(model, backend=BACKEND, fullgraph=True)
-    out = loss(c, inputs())
-    grads = torch.autograd.grad(out, [p for p in model.parameters() if p.requires_grad])
-    assert sum(counters["graph_break"].values()) == 0
-    return out.detach(), grads
+_RUNS: dict = {}
 
 
-def saved(model) -> tuple[int, set]:
-    """Bytes the compiled forward saves that it computed, and the ``ac_graph_id``s it holds."""
-    (part,) = partition(lambda **kw: model(**kw).loss, **inputs())
-    ids = {n.meta["ac_graph_id"] for n in part.fw.graph.nodes if "ac_graph_id" in n.meta}
-    return part.saved_bytes, ids
+def run(kind: str, policy=None, torch_checkpoint: bool = False):
+    """One compiled training step of ``kind`` (under ``policy``, or torch's checkpoint as
+    transformers runs it, or neither): (loss, gradients, bytes the compiled forward saves that
+    it computed, the ``ac_graph_id``s it holds). Compiled once per case for both tests below:
+    the partition read is the one the gradients came from."""
+    key = (kind, repr(policy), torch_checkpoint)
+    if key not in _RUNS:
+        from torch._dynamo.utils import counters
 
-
-_REFERENCE: dict = {}
-
-
-def reference(kind):
-    """Loss and gradients of the model compiled without checkpointing (once per architecture)."""
-    if kind not in _REFERENCE:
-        _REFERENCE[kind] = compiled_grads(build(kind))
-    return _REFERENCE[kind]
+        model = build(kind)
+        if torch_checkpoint:
+            model.activation_checkpointing_enable()
+        elif policy is not None:
+            model = hf.enable(model, policy)
+        counters["graph_break"].clear()
+        compiled, parts = partitioned(lambda **kw: model(**kw).loss)
+        torch.manual_seed(2)  # dropout's numbers, as the support's lm_loss draws them
+        out = compiled(**inputs())
+        grads = torch.autograd.grad(out, [p for p in model.parameters() if p.requires_grad])
+        assert sum(counters["graph_break"].values()) == 0
+        (part,) = parts
+        ids = {n.meta["ac_graph_id"] for n in part.fw.graph.nodes if "ac_graph_id" in n.meta}
+        _RUNS[key] = out.detach(), grads, part.saved_bytes, ids
+    return _RUNS[key]
 
 
 # Every policy kind on the dense model; the planner's path (the most the pass does) on the MoEs.
@@ -73,9 +75,8 @@ CASES = [
 
 @pytest.mark.parametrize(("kind", "policy"), CASES, ids=[f"{k}-{p!r}" for k, p in CASES])
 def test_each_architecture_compiles_fullgraph_with_the_gradients_of_no_checkpointing(kind, policy):
-    ref_loss, ref = reference(kind)
-    model = hf.enable(build(kind), policy)
-    got_loss, got = compiled_grads(model)
+    ref_loss, ref, _, _ = run(kind)
+    got_loss, got, _, _ = run(kind, policy)
     torch.testing.assert_close(got_loss, ref_loss)
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b)
@@ -86,12 +87,10 @@ def test_each_policy_saves_what_it_says_against_torchs_checkpoint_compiled(kind)
     """recompute_all saves no more than torch's checkpoint compiled (one ``ac_graph_id`` per
     layer, as torch's); save_matmuls more, and no more than no checkpointing;
     memory_budget(0.5) at most half of what the layers save compiled without checkpointing."""
-    none, none_ids = saved(build(kind))
-    reference = build(kind)
-    reference.activation_checkpointing_enable()
-    torch_bytes, torch_ids = saved(reference)
+    *_, none, none_ids = run(kind)
+    *_, torch_bytes, torch_ids = run(kind, torch_checkpoint=True)
     got = {
-        repr(p): saved(hf.enable(build(kind), p))
+        repr(p): run(kind, p)[2:]
         for p in (policies.recompute_all(), policies.save_matmuls(), policies.memory_budget(0.5))
     }
     assert none_ids == set() and len(torch_ids) == 2  # two decoder layers

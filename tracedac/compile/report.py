@@ -79,8 +79,10 @@ def _nbytes(n) -> int:
     )
 
 
-def partition(fn, *args, **kwargs) -> list[Partition]:
-    """Compile ``fn`` (fullgraph) with the partitioner's graphs kept; run its forward once."""
+def partitioned(fn):
+    """``fn`` compiled (fullgraph) the way inductor partitions it, with no code generated, and
+    the list that each compile appends its ``Partition`` to: call it, and run its backward,
+    as the model would be (``partition`` runs the forward once and returns the list)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -108,8 +110,20 @@ def partition(fn, *args, **kwargs) -> list[Partition]:
         return aot(gm, example_inputs)
 
     # (a new backend for the same code: dynamo compiles it again, beside the caller's own)
-    with functorch_config.patch(unlift_effect_tokens=True), torch.enable_grad():
-        out = torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+
+    def run(*args, **kwargs):
+        with functorch_config.patch(unlift_effect_tokens=True):
+            return compiled(*args, **kwargs)
+
+    return run, made
+
+
+def partition(fn, *args, **kwargs) -> list[Partition]:
+    """Compile ``fn`` (fullgraph) with the partitioner's graphs kept; run its forward once."""
+    compiled, made = partitioned(fn)
+    with torch.enable_grad():
+        out = compiled(*args, **kwargs)
     del out
     return made
 
