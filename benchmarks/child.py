@@ -65,12 +65,13 @@ def leave_ranks() -> None:
     still talks to another), output flushed, then out, skipping ``destroy_process_group`` and
     the interpreter's teardown.
 
-    Why: twice, under torch 2.15 on gloo, a rank aborted at the end of a run that had finished
-    ("terminate called without an active exception"; "malloc(): unaligned tcache chunk
-    detected"), after every figure was out; sixty runs alone did not reproduce it. Gloo's
-    worker threads tearing down while the interpreter finalizes is a known way to get the
-    first (pytorch/pytorch#179291). A run's exit status should say whether its figures are
-    right, and here they are. Only on success: a failing rank raises as before.
+    Why: under torch 2.15 on gloo, CI's ``--zero --quick`` ranks aborted after printing
+    "finished" ("terminate called without an active exception", twice in one run), and once
+    a suite rank running the tensor-parallel benchmark died of "malloc(): unaligned tcache
+    chunk detected"; some forty runs of those benchmarks alone did not reproduce either.
+    Gloo's worker threads tearing down while the interpreter finalizes is a known way to get
+    the first (pytorch/pytorch#179291). A run's exit status should say whether its figures
+    are right, and by here they are out. Only on success: a failing rank raises as before.
     """
     import torch.distributed as dist
 

@@ -26,10 +26,9 @@ Figures, each measured from outside the library:
   (every rank issues the same collectives).
 - **bytes held after forward**: ``probe.allocated_bytes()`` (glibc ``mallinfo2``) after the
   forward minus before it, the loss alive, ``gc.collect()`` first, the least of three
-  forwards; in ranks started with
-  ``PYTHONMALLOC=malloc`` and glibc's per-thread cache off (``child.run_child``'s set-up),
-  so Python objects (a recorded graph, a checkpoint's closures) count beside tensors. The
-  max over ranks.
+  forwards; in ranks started with ``PYTHONMALLOC=malloc`` and glibc's per-thread cache off
+  (``child.run_child``'s set-up), so Python objects (a recorded graph, a checkpoint's
+  closures) count beside tensors. The max over ranks.
 - **step time**: forward + backward between two barriers (the slowest rank's step), the
   median over the timed steps after an untimed one; variants take turns. In ranks started
   again with CPython's own allocator, glibc keeping freed memory (``probe``); with
@@ -275,8 +274,9 @@ def _counted_step(model: EPModel, batch, seed: int):
 
 
 def _held_after_forward(model: EPModel, batch, seed: int, repeats: int = 3) -> int:
-    """The least of ``repeats`` readings: a first-use allocation (a cache, a dict grown, a
-    buffer gloo keeps) lands in one reading and tens of KiB apart between ranks."""
+    """The least of ``repeats`` readings. A first-use allocation (a cache filled, a dict
+    grown, a buffer gloo keeps) lands in one reading only: with one reading, the same variant
+    read tens of KiB apart from rank to rank."""
     readings = []
     for _ in range(repeats):
         clear_grads(model)
