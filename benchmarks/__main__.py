@@ -331,7 +331,7 @@ def _zero(parser: argparse.ArgumentParser, args) -> int:
         print(zero.format_report(figures))
         if args.json:
             _write_json(args.json, figures)
-    leave_ranks()  # does not return
+    leave_ranks(args.init_method)  # does not return
     return 0
 
 

@@ -60,10 +60,11 @@ def seeded_step(model: torch.nn.Module, batch, seed: int) -> None:
     model(*batch).backward()
 
 
-def leave_ranks() -> None:
+def leave_ranks(init_method: str | None = None) -> None:
     """End a benchmark rank whose figures are printed and written: past a barrier (no rank
     still talks to another), output flushed, then out, skipping ``destroy_process_group`` and
-    the interpreter's teardown.
+    the interpreter's teardown. A ``file://`` rendezvous is removed by rank 0 after the
+    barrier: torch leaves it behind, and a second run given the same path fails to connect.
 
     Why: under torch 2.15 on gloo, CI's ``--zero --quick`` ranks aborted after printing
     "finished" ("terminate called without an active exception", twice in one run), and once
@@ -77,6 +78,11 @@ def leave_ranks() -> None:
 
     if dist.is_initialized():
         dist.barrier()
+        if init_method and init_method.startswith("file://") and dist.get_rank() == 0:
+            try:
+                os.remove(init_method[len("file://") :])
+            except FileNotFoundError:
+                pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -88,6 +88,9 @@ def _two_ranks(tmp, *flags, timeout=TIMEOUT_S):
         assert p.returncode == 0, (
             f"rank {rank} exited with {p.returncode} (killed after {timeout} s if -9):\n{err[-3000:]}"
         )
+    # A finished run removes its file rendezvous: torch leaves it behind, and a second run
+    # given the same path would fail to connect (benchmarks.child.leave_ranks).
+    assert not (tmp / "init").exists()
     return json.loads(figures.read_text()), texts[0][0], texts[1][0]
 
 
