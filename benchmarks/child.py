@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -79,10 +80,7 @@ def leave_ranks(init_method: str | None = None) -> None:
     if dist.is_initialized():
         dist.barrier()
         if init_method and init_method.startswith("file://") and dist.get_rank() == 0:
-            try:
-                os.remove(init_method[len("file://") :])
-            except FileNotFoundError:
-                pass
+            Path(init_method[len("file://") :]).unlink(missing_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

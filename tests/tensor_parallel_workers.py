@@ -15,9 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import (
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
 
 import tracedac
 from benchmarks.tensor_parallel import Block, plan
