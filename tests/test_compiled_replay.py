@@ -149,14 +149,34 @@ def test_under_a_dispatch_mode_replay_runs_op_by_op(compiling):
     assert compiled.stats()["runs"] == 1
 
 
-def test_the_switch():
-    assert tracedac.compiled_replay() is compiled.is_enabled()
-    before = tracedac.compiled_replay(True)
+def test_the_switch_is_on_for_cuda_by_default_and_takes_true_false_or_cuda():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    before = tracedac.compiled_replay("cuda")
     try:
-        assert compiled.is_enabled() and tracedac.compiled_replay(False) is True
-        assert not compiled.is_enabled()
+        assert compiled.is_enabled(cuda) and not compiled.is_enabled(cpu) and not compiled.is_enabled()
+        assert tracedac.compiled_replay(True) == "cuda"
+        assert compiled.is_enabled(cpu) and compiled.is_enabled(cuda) and compiled.is_enabled()
+        assert tracedac.compiled_replay(False) is True
+        assert not compiled.is_enabled(cuda) and tracedac.compiled_replay() is False
+        with pytest.raises(ValueError, match=r"True, False or 'cuda'.*got 'on'"):
+            tracedac.compiled_replay("on")
+        assert tracedac.compiled_replay() is False  # a refused value changes nothing
     finally:
         tracedac.compiled_replay(before)
+
+
+@pytest.mark.parametrize(
+    ("value", "setting"), [("", "cuda"), ("cuda", "cuda"), ("1", True), ("on", True), ("0", False)]
+)
+def test_the_environment_sets_the_default(monkeypatch, value, setting):
+    monkeypatch.setenv("TRACEDAC_COMPILED_REPLAY", value)
+    assert compiled._from_environment() == setting
+
+
+def test_an_unknown_environment_setting_is_refused_saying_what_it_takes(monkeypatch):
+    monkeypatch.setenv("TRACEDAC_COMPILED_REPLAY", "sometimes")
+    with pytest.raises(ValueError, match=r"TRACEDAC_COMPILED_REPLAY='sometimes'.*use 1.*0.*cuda"):
+        compiled._from_environment()
 
 
 def test_nested_regions_read_the_enclosing_regions_handles(compiling):
@@ -190,3 +210,25 @@ def test_numbers_that_compare_equal_get_their_own_program(compiling):
         f(w, x, c).sum().backward()
         assert torch.equal(w.grad, torch.full((4,), math.copysign(math.inf, c)))
     assert compiled.stats()["compiled"] == 2  # one program per sign, each seen twice first
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_by_default_a_repeated_replay_runs_compiled_within_bf16_rounding():
+    compiled.clear()
+    before = tracedac.compiled_replay("cuda")  # the default
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(64), Block(64)).to("cuda", torch.bfloat16)
+        tracedac.wrap(model, Block, policies.recompute_all())
+        x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+        tracedac.compiled_replay(False)
+        expected = _grads(model, x)
+        tracedac.compiled_replay("cuda")
+        for _ in range(2):
+            for a, b in zip(_grads(model, x), expected, strict=True):
+                torch.testing.assert_close(a, b)
+        assert compiled.stats()["runs"] == 3
+    finally:
+        tracedac.compiled_replay(before)
+        compiled.clear()

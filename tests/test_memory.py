@@ -4,14 +4,16 @@ import functools
 import gc
 import weakref
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+import tracedac
 from benchmarks.probe import allocated_bytes as allocated
-from tracedac import checkpoint, policies
+from tracedac import checkpoint, policies, replay_compiled
 from tracedac.region import reporting
 
 MiB = 1 << 20
@@ -108,17 +110,34 @@ def test_replayed_intermediates_are_freed_as_soon_as_nothing_pending_needs_them(
     assert trace.peak - before < 4.5 * MiB, f"{(trace.peak - before) / MiB:.1f} MiB live at once (16 if kept)"
 
 
-def test_after_backward_nothing_of_the_graph_survives():
-    a = args()
-    with reporting() as regions:
-        out = checkpoint(mlp, policy=policies.save_matmuls())(*a)
-    graph = weakref.ref(regions[0].graph)
-    kept = [weakref.ref(g.held) for g in regions[0].graph.groups if g.held is not None]
-    handles = [weakref.ref(h) for h in regions[0].handles]
-    regions.clear()
-    assert kept and graph() is not None
-    out.backward()
-    assert graph() is None and all(r() is None for r in kept + handles), "freed by reference counting alone"
+@pytest.mark.parametrize(
+    "policy",
+    [policies.save_matmuls(), policies.memory_budget(0.5), policies.offload_kept(policies.save_all())],
+    ids=repr,
+)
+@pytest.mark.parametrize("compiled", [False, True], ids=["op by op", "compiled replay"])
+def test_after_backward_nothing_of_the_graph_survives(policy, compiled):
+    replay_compiled.clear()
+    before = tracedac.compiled_replay(compiled)
+    try:
+        for _ in range(3):  # compiled replay compiles a structure the second time it sees it
+            a = args()
+            with reporting() as regions:
+                out = checkpoint(mlp, policy=policy)(*a)
+            graph = weakref.ref(regions[0].graph)
+            kept = [weakref.ref(g.held) for g in regions[0].graph.groups if g.held is not None]
+            handles = [weakref.ref(h) for h in regions[0].handles]
+            regions.clear()
+            assert handles and graph() is not None
+            out.backward()
+            assert graph() is None and all(r() is None for r in kept + handles), (
+                "freed by reference counting alone"
+            )
+        replays = not isinstance(policy, policies.OffloadKept)  # (save_all offloaded: nothing to replay)
+        assert (replay_compiled.stats().get("runs", 0) > 0) == (compiled and replays)
+    finally:
+        tracedac.compiled_replay(before)
+        replay_compiled.clear()
 
 
 def test_a_forward_without_backward_frees_the_graph_with_its_output():

@@ -67,18 +67,20 @@ plans = PlanCache()
 
 
 def input_signature(args, kwargs) -> tuple:
-    def one(a):
-        if isinstance(a, torch.Tensor):
-            return (a.shape, a.dtype, a.device, a.requires_grad)
-        if isinstance(a, (list, tuple)):
-            return tuple(one(x) for x in a)
-        return type(a)
-
     return (
-        tuple(one(a) for a in args),
-        tuple((k, one(v)) for k, v in sorted((kwargs or {}).items())),
+        tuple(_signature(a) for a in args),
+        tuple((k, _signature(v)) for k, v in sorted((kwargs or {}).items())),
         torch.is_autocast_enabled(),
     )
+
+
+def _signature(a):
+    # (a module function: a closure calling itself is a reference cycle, garbage at every call)
+    if isinstance(a, torch.Tensor):
+        return (a.shape, a.dtype, a.device, a.requires_grad)
+    if isinstance(a, (list, tuple)):
+        return tuple(_signature(x) for x in a)
+    return type(a)
 
 
 class Planning:

@@ -311,7 +311,8 @@ def _replay(graph: RegionGraph, caller: Slot) -> None:
     graph.passes += 1
     graph.replayed_ops += len(p.nodes)
     # (a plan that replays a collective is refused by compiled replay: aten and prims ops only)
-    if compiled._enabled and not _fill_nan and _run_compiled(graph, p, slots):
+    on = not _fill_nan and compiled.is_enabled(graph.groups[caller.meta.group].device)
+    if on and _run_compiled(graph, p, slots):
         return
     reads, last_use = p.reads, p.last_use()
     nodes, groups, starts = graph.nodes, graph.groups, p.starts
