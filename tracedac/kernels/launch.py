@@ -1,5 +1,11 @@
 """Host side of the Triton backend: pick the compiled or interpreted kernel, plan, launch.
 
+A launch is prepared once for a call's key (``cast.py``): the plan with its device table, the
+grid, the kernel's constexpr arguments and dst's device index are all fixed by the sources' and
+dst's metadata, so a :class:`Launch` keeps them and each later call with the same key only
+passes the current ``dst`` to the kernel. Triton is used only through its public launch syntax,
+``kernel[grid](*args, **meta)``, which is the same in every Triton 3 release.
+
 Triton is imported here, on first use, never when ``tracedac.kernels`` is imported.
 """
 
@@ -9,9 +15,9 @@ import os
 import torch
 
 from .bits import FORMATS
-from .table import plan_for
+from .table import Plan, build_plan
 
-__all__ = ["triton_available", "interpreter_enabled", "launch", "launches"]
+__all__ = ["triton_available", "interpreter_enabled", "Launch", "prepare", "launch", "launches"]
 
 # GPU: 16 elements per thread with 8 warps, 16-byte vector accesses when aligned.
 _GPU_BLOCK = 4096
@@ -62,32 +68,64 @@ def _block(srcs: list[torch.Tensor], interpreted: bool) -> int:
     return max(_INTERPRETER_MIN_BLOCK, min(_INTERPRETER_MAX_BLOCK, 1 << max(largest - 1, 0).bit_length()))
 
 
-def launch(srcs: list[torch.Tensor], dst: torch.Tensor, *, accumulate: bool) -> None:
-    """Convert ``srcs`` (already validated) into ``dst`` in one kernel launch."""
-    global launches
-    if dst.numel() == 0:
-        return
-    interpreted = dst.device.type == "cpu"
-    block = _block(srcs, interpreted)
-    plan = plan_for(srcs, dst, block)
-    kernel = _kernel(interpreted)[(plan.programs,)]
-    args = (plan.segment_table, plan.block_rows, dst)
-    meta = dict(
-        DST_KIND=FORMATS[dst.dtype].kind,
-        ACCUMULATE=accumulate,
-        ALIGNED=plan.aligned,
-        DST_ALIGN=16 // dst.element_size(),
-        BLOCK=block,
-        num_warps=_GPU_WARPS,
-    )
-    if interpreted:
-        import numpy
+class Launch:
+    """One prepared launch: everything but ``dst`` that a call with given sources and dst needs.
 
-        # inf - inf and NaN inputs are expected here; a GPU does not warn about them either.
-        with numpy.errstate(invalid="ignore", over="ignore"):
-            kernel(*args, **meta)
-    else:
-        # Triton launches on the current device, which need not be dst's.
-        with torch.cuda.device(dst.device):
-            kernel(*args, **meta)
-    launches += 1
+    It holds no tensor of the caller's, only the plan's own table (and, for a plan with
+    ``keepalive``, its copies: such a launch is not ``cacheable`` and serves one call).
+    """
+
+    __slots__ = ("plan", "kernel", "grid", "meta", "device", "cacheable")
+
+    def __init__(self, srcs: list[torch.Tensor], dst: torch.Tensor, accumulate: bool) -> None:
+        self.plan: Plan | None = None  # None: dst is empty, nothing to launch
+        self.cacheable = True
+        if dst.numel() == 0:
+            return
+        interpreted = dst.device.type == "cpu"
+        block = _block(srcs, interpreted)
+        self.plan = plan = build_plan(srcs, dst, block)
+        self.cacheable = not plan.keepalive  # a plan pointing at temporary copies is useless next time
+        self.kernel = _kernel(interpreted)
+        self.grid = (plan.programs,)
+        self.meta = dict(
+            DST_KIND=FORMATS[dst.dtype].kind,
+            ACCUMULATE=accumulate,
+            ALIGNED=plan.aligned,
+            DST_ALIGN=16 // dst.element_size(),
+            BLOCK=block,
+            num_warps=_GPU_WARPS,
+        )
+        # The CUDA device to launch on (Triton launches on the current one); None on CPU.
+        self.device = None if interpreted else dst.device.index
+
+    def __call__(self, dst: torch.Tensor) -> None:
+        """Launch into ``dst``, which has the metadata and address the launch was prepared for
+        (its shape may differ from the flat one: the kernel sees only its data pointer)."""
+        global launches
+        plan = self.plan
+        if plan is None:
+            return
+        run = self.kernel[self.grid]
+        if self.device is None:
+            import numpy
+
+            # inf - inf and NaN inputs are expected here; a GPU does not warn about them either.
+            with numpy.errstate(invalid="ignore", over="ignore"):
+                run(plan.segment_table, plan.block_rows, dst, **self.meta)
+        elif self.device == torch.cuda.current_device():
+            run(plan.segment_table, plan.block_rows, dst, **self.meta)
+        else:
+            with torch.cuda.device(self.device):
+                run(plan.segment_table, plan.block_rows, dst, **self.meta)
+        launches += 1
+
+
+def prepare(srcs: list[torch.Tensor], dst: torch.Tensor, *, accumulate: bool) -> Launch:
+    """The launch that converts ``srcs`` (already validated) into ``dst``."""
+    return Launch(srcs, dst, accumulate)
+
+
+def launch(srcs: list[torch.Tensor], dst: torch.Tensor, *, accumulate: bool) -> None:
+    """Convert ``srcs`` (already validated) into ``dst`` in one kernel launch, uncached."""
+    Launch(srcs, dst, accumulate)(dst)

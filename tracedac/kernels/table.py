@@ -4,19 +4,22 @@ One int64 row per non-empty source: its data pointer, dtype, where it lands in `
 element count, the first program that works on it, its layout (contiguous, or up to
 ``MAX_DIMS`` sizes and strides after merging dims) and its NaN rule. After the rows comes one
 int64 per program: the row that program reads. The whole thing goes to the device in one
-copy and is cached by the sources' pointers, dtypes, shapes and strides, which determine it
-entirely, so steady-state training steps (the same shards every step) upload nothing.
+copy. The sources' pointers, dtypes, shapes and strides (with dst's dtype, device and
+alignment) determine it entirely, so it is built once for a call and reused by every later call
+with the same ones: ``cast.py`` keeps it with the rest of what a call's key determines, so
+steady-state training steps (the same shards every step) upload nothing. ``plan_for`` is the
+same with a cache of its own, for direct use.
 """
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .bits import FORMATS, nan_rule
 
-__all__ = ["COLS", "MAX_DIMS", "Plan", "collapse_dims", "plan_for"]
+__all__ = ["COLS", "MAX_DIMS", "Plan", "build_plan", "collapse_dims", "plan_for"]
 
 # Column indices of a row (the kernel reads them under the same names).
 ADDR, KIND, DST_START, NUMEL, FIRST_BLOCK, CONTIGUOUS, NAN_CANONICAL, NAN_QUIET_BITS, NAN_PAYLOAD_MASK = (
@@ -41,14 +44,13 @@ class Plan:
     programs: int
     aligned: bool  # all contiguous, all addresses 16-byte aligned, all sizes multiples of 8
     keepalive: tuple[torch.Tensor, ...]  # contiguous copies made for sources with too many dims
+    # The kernel's two table arguments: views of ``table``, made once rather than every launch.
+    segment_table: torch.Tensor = field(init=False, repr=False, compare=False)
+    block_rows: torch.Tensor = field(init=False, repr=False, compare=False)
 
-    @property
-    def segment_table(self) -> torch.Tensor:
-        return self.table[: self.rows * COLS]
-
-    @property
-    def block_rows(self) -> torch.Tensor:
-        return self.table[self.rows * COLS :]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segment_table", self.table[: self.rows * COLS])
+        object.__setattr__(self, "block_rows", self.table[self.rows * COLS :])
 
 
 def collapse_dims(sizes, strides) -> list[tuple[int, int]]:
@@ -86,7 +88,7 @@ def plan_for(srcs: list[torch.Tensor], dst: torch.Tensor, block: int) -> Plan:
         if plan is not None:
             _cache.move_to_end(key)
             return plan
-    plan = _build(srcs, dst, block)
+    plan = build_plan(srcs, dst, block)
     if not plan.keepalive:  # a plan pointing at temporary copies is useless next time
         with _cache_lock:
             _cache[key] = plan
@@ -95,7 +97,8 @@ def plan_for(srcs: list[torch.Tensor], dst: torch.Tensor, block: int) -> Plan:
     return plan
 
 
-def _build(srcs: list[torch.Tensor], dst: torch.Tensor, block: int) -> Plan:
+def build_plan(srcs: list[torch.Tensor], dst: torch.Tensor, block: int) -> Plan:
+    """A new plan, uncached (a plan with ``keepalive`` holds copies: keep it for one launch only)."""
     rows: list[list[int]] = []
     keepalive: list[torch.Tensor] = []
     block_rows: list[int] = []
