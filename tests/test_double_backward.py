@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import tracedac
 from benchmarks.probe import allocated_bytes
 from tracedac import policies
+from tracedac._compat import _VERSION
 
 POLICIES = {
     "recompute_all": policies.recompute_all(),
@@ -258,6 +259,17 @@ def test_a_maml_inner_step_through_a_checkpointed_function_matches_eager(policy)
 # --- compiled -------------------------------------------------------------------------------
 
 
+# What torch raises at a second backward through compiled code: from 2.13 on, that AOTAutograd
+# does not support it; torch 2.11's compiled backward hands back the first gradient without a
+# graph even under create_graph=True (seen on 2.11; 2.12 not run), and the second backward
+# fails on that gradient.
+DOUBLE_BACKWARD = (
+    "torch.compile with aot_autograd does not currently support double backward"
+    if _VERSION >= (2, 13)
+    else "element 0 of tensors does not require grad and does not have a grad_fn"
+)
+
+
 def test_double_backward_through_compiled_code_is_torchs_clear_error_with_or_without_tracedac():
     """torch's AOTAutograd does not differentiate a compiled backward again. With a tracedac
     region inside the compiled function the first backward works (create_graph=True) and the
@@ -273,16 +285,17 @@ def test_double_backward_through_compiled_code_is_torchs_clear_error_with_or_wit
         return torch.tanh(x @ w) @ w
 
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    errors = {}
     for f in (region, plain):
         torch._dynamo.reset()
         compiled = torch.compile(lambda x: f(x).square().sum(), backend="aot_eager_decomp_partition")
         (g,) = torch.autograd.grad(compiled(x), x, create_graph=True)
         want = torch.autograd.grad(plain(x).square().sum(), x)[0]
         torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-10)
-        with pytest.raises(
-            RuntimeError, match="torch.compile with aot_autograd does not currently support double backward"
-        ):
+        with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD) as e:
             g.square().sum().backward()
+        errors[f] = str(e.value)
+    assert errors[region] == errors[plain]
     # the documented way out: the region eager, the rest as the user likes
     (g,) = torch.autograd.grad(region(x).square().sum(), x, create_graph=True)
     g.square().sum().backward()

@@ -15,13 +15,14 @@ from tracedac import policies
 from tracedac.compile.report import partitioned
 from tracedac.integrations import hf
 
-from ..support.hf_models import batch, build
+from ..support.hf_models import batch, build, needs_switch
 from ..test_compile import fresh_dynamo  # noqa: F401  (autouse: dynamo reset around each test)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.slow,
-]  # slow: not in the quick loop
+    pytest.mark.slow,  # not in the quick loop
+    needs_switch,
+]
 
 # Compiled as aot_eager_decomp_partition compiles (inductor's decompositions and partition, no
 # code generated), with the partition kept: ``compile.report.partitioned``.

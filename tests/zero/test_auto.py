@@ -9,6 +9,7 @@ import pytest
 import tracedac.zero as zero
 
 from . import auto_workers as aw
+from .compiles import needs_compiled_zero
 from .spawn import run_ranks
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
@@ -48,15 +49,13 @@ def test_ranks_that_read_a_parameter_differently_agree_on_fp32():
     assert len(l0) == len(l1) == 3
 
 
-def test_a_weight_read_both_ways_travels_fp32_eager_and_compiled():
+@pytest.mark.parametrize("how", ["eager", pytest.param("compiled", marks=needs_compiled_zero)])
+def test_a_weight_read_both_ways_travels_fp32_eager_and_compiled(how):
     """A tied embedding/output weight: the lookup reads it as it is, the projection's matmul
     casts it. Its group (the Embedding's) stays fp32; the Linear's group goes bf16."""
-    (r,) = run_ranks(aw.tied, 1, timeout=120)
-    for how in ("eager", "compiled"):
-        got = {
-            name.split("(")[1].split(",")[0]: dtype.removeprefix("torch.") for name, dtype in r[how].items()
-        }
-        assert got == {"trainable Embedding": "float32", "trainable Linear": "bfloat16"}, (how, r[how])
+    (r,) = run_ranks(aw.tied, 1, how, timeout=120)
+    got = {name.split("(")[1].split(",")[0]: dtype.removeprefix("torch.") for name, dtype in r.items()}
+    assert got == {"trainable Embedding": "float32", "trainable Linear": "bfloat16"}, (how, r)
 
 
 def test_auto_composes_with_nested_shards():

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from . import compile_workers as cw
+from .compiles import needs_compiled_zero
 from .spawn import part, run_ranks, start_ranks
 
-pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
+# slow: the quick loop (pytest -m "not slow") leaves this file out
+pytestmark = [pytest.mark.slow, needs_compiled_zero]
 
 CASES = [
     ("plain", "per-block", None),

@@ -16,13 +16,16 @@ from __future__ import annotations
 import pytest
 
 from . import soak_workers as sw
+from .compiles import COMPILES, needs_compiled_zero
 from .spawn import start_ranks
 
 STEPS = 200
 FLOOR = 1024  # bytes a step: allocator noise over 200 steps reads up to ~250 on either library
+COMPILED = "zero+wrap+compile"
 MODES = {
     1: ("zero", "zero+wrap", "zero+bf16+wrap", "zero+auto+wrap", "zero+noprefetch+wrap"),
-    2: ("zero+wrap", "zero+auto+wrap", "zero+wrap+compile"),
+    # compiled only where tracedac.zero compiles (torch >= 2.13): its test skips elsewhere
+    2: ("zero+wrap", "zero+auto+wrap", *((COMPILED,) if COMPILES else ())),
 }
 
 
@@ -39,23 +42,34 @@ def soaks():
         run.close()
 
 
-def _assert_flat(results):
+def _assert_flat(results, modes):
+    """Each of ``modes`` keeps no more host memory a step than FSDP2 on the same loop, and no
+    Python object a step beyond FSDP2's. FSDP2 keeps none on torch 2.13 and later; on torch
+    2.11 both libraries keep ~21 tuples a step that torch itself holds (the DTensor op schemas
+    of AdamW's foreach ops, out of the garbage collector's sight), which are not tracedac's."""
     for rank, per_mode in enumerate(results):
-        fsdp_bytes, _ = per_mode["fsdp"]
+        fsdp_bytes, fsdp_objects = per_mode["fsdp"]
         limit = max(2 * fsdp_bytes, FLOOR)
-        for mode, (bytes_per_step, objects_per_step) in per_mode.items():
+        for mode in modes:
+            bytes_per_step, objects_per_step = per_mode[mode]
             assert bytes_per_step <= limit, (rank, mode, per_mode)
-            assert objects_per_step < 0.5, (rank, mode, per_mode)  # not one Python object a step
+            assert objects_per_step - fsdp_objects < 0.5, (rank, mode, per_mode)  # not one object a step
 
 
 @pytest.mark.slow
 def test_one_rank_keeps_no_host_memory_per_step_in_any_mode(soaks):
     """Eager, regions or not, fp32 / bf16 / "auto" under autocast, prefetch on and off."""
-    _assert_flat(soaks[1].results())
+    _assert_flat(soaks[1].results(), ("fsdp", *MODES[1]))
 
 
 @pytest.mark.slow
-def test_two_ranks_keep_no_host_memory_per_step_eager_or_compiled(soaks):
-    """Two ranks, where every gather and reduce-scatter crosses the wire; compiled fullgraph
-    with regions inside the sharded blocks, and eager."""
-    _assert_flat(soaks[2].results())
+def test_two_ranks_keep_no_host_memory_per_step_eager(soaks):
+    """Two ranks, where every gather and reduce-scatter crosses the wire, eager."""
+    _assert_flat(soaks[2].results(), ("fsdp", "zero+wrap", "zero+auto+wrap"))
+
+
+@pytest.mark.slow
+@needs_compiled_zero
+def test_two_ranks_keep_no_host_memory_per_step_compiled(soaks):
+    """The same, compiled fullgraph with regions inside the sharded blocks."""
+    _assert_flat(soaks[2].results(), (COMPILED,))

@@ -35,6 +35,7 @@ function, hook and attribute as it was before ``enable``.
 
 from __future__ import annotations
 
+import sys
 import types
 
 from torch import nn
@@ -49,6 +50,10 @@ from ..selective import is_noop_context_fn, read_context_fn
 
 __all__ = ["disable", "enable"]
 
+# The first transformers whose PreTrainedModel has activation_checkpointing_enable (5.22.2 has
+# only gradient_checkpointing_enable): enable() works through it.
+TRANSFORMERS_MIN = "5.23"
+
 # torch.utils.checkpoint options that have nothing to do under tracedac (see checkpoint_call)
 _NO_OPS = {"use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop", "context_fn"}
 _ABSENT = object()
@@ -62,10 +67,20 @@ def _pretrained(model: nn.Module):
     for name, m in model.named_modules():
         if callable(getattr(type(m), "activation_checkpointing_enable", None)):
             return m, name
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    if isinstance(pretrained, type) and any(isinstance(m, pretrained) for m in model.modules()):
+        raise CheckpointError(
+            f"{type(model).__name__} is a transformers model, and transformers "
+            f"{transformers.__version__} has no activation_checkpointing_enable: it came in transformers "
+            f"{TRANSFORMERS_MIN}. tracedac.integrations.hf.enable works through that switch; upgrade "
+            f"(pip install 'transformers>={TRANSFORMERS_MIN}'), or checkpoint the decoder layers with "
+            "tracedac.wrap(model, LayerClass, policy=...)."
+        )
     raise CheckpointError(
         f"{type(model).__name__} holds no transformers model with activation_checkpointing_enable "
-        "(transformers >= 5, PreTrainedModel). tracedac.integrations.hf.enable works through "
-        "transformers' own checkpointing switch; for any other model use "
+        f"(a PreTrainedModel of transformers >= {TRANSFORMERS_MIN}). tracedac.integrations.hf.enable "
+        "works through transformers' own checkpointing switch; for any other model use "
         "tracedac.wrap(model, LayerClass, policy=...)."
     )
 

@@ -29,7 +29,7 @@ from .gathered import Gathered, Handle, handle_for
 from .group import FlatGroup
 from .layout import split_views
 from .prefetch import Prefetch
-from .tp import compiles_tp, wrap
+from .tp import _trace_time_error, compiles_tp, wrap
 
 __all__ = ["Unit", "compiles_zero"]
 
@@ -40,7 +40,7 @@ def compiles_zero(dynamo: bool) -> bool:
     view from the module's ``__dict__`` (``__dict__.pop``, ``del``, ``object.__delattr__``:
     "Unsupported method call" on 2.11). ``make_fx`` and fake tensors trace it there."""
     if dynamo and _VERSION < (2, 13):
-        raise ZeroError(
+        raise _trace_time_error()(  # (a ZeroError dynamo passes on as it is)
             f"tracedac.zero under torch.compile needs torch 2.13 or newer (this is {torch.__version__}): "
             "dynamo before it cannot trace how a sharded unit puts its parameters back after "
             "forward. Upgrade torch, or run the sharded model eagerly (tracedac's checkpoint regions "
