@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from dataclasses import fields, replace
+from pathlib import Path
 
 from .model import Config
 
@@ -105,19 +106,21 @@ def _parser() -> argparse.ArgumentParser:
         "--only",
         metavar="KEYS",
         help="with --llama: a comma-separated subset of its variants "
-        "(none, torch, torch_sac, tracedac_recompute_all, tracedac_save_matmuls, "
-        "tracedac_compiled_replay, torch_compile)",
+        "(llama_variants.py; e.g. none, torch, torch_sac, tracedac_recompute_all, tracedac_save_matmuls, "
+        "tracedac_compiled_replay, tracedac_budget_offload, c_torch, c_tracedac_recompute_all)",
     )
     p.add_argument(
         "--compiled-replay",
-        action="store_true",
-        help="replay through compiled functions (tracedac.compiled_replay(True)) in every tracedac variant",
+        choices=["on", "off"],
+        help="replay through compiled functions in every tracedac variant (on) or op by op (off); "
+        "left out: tracedac's default, compiled on CUDA and op by op on the CPU",
     )
     p.add_argument(
         "--zero",
         action="store_true",
         help="compare ZeRO-3 implementations instead; run it as "
-        "`torchrun --nproc-per-node 2 -m benchmarks --zero`",
+        "`torchrun --nproc-per-node 2 -m benchmarks --zero` (CPU, gloo), or on a GPU as one process "
+        "with `--device cuda` (NCCL, a world of one rank; under torchrun each rank on cuda:LOCAL_RANK)",
     )
     p.add_argument(
         "--ep",
@@ -138,7 +141,8 @@ def _parser() -> argparse.ArgumentParser:
         "--init-method",
         default="env://",
         help="with --zero: the process group's rendezvous "
-        "(%(default)s, as torchrun sets it; or file:///PATH, with RANK and WORLD_SIZE in the environment)",
+        "(%(default)s, as torchrun sets it; or file:///PATH, with RANK and WORLD_SIZE in the environment; "
+        "--device cuda without them: a world of one, by default in a fresh temporary file)",
     )
     p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -169,10 +173,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.ranks is not None and not args.ep:
         parser.error("--ranks is for --ep, which starts its own ranks; --zero runs under torchrun")
-    if args.compiled_replay:
+    if args.compiled_replay is not None:
         import tracedac
 
-        tracedac.compiled_replay(True)
+        tracedac.compiled_replay(args.compiled_replay == "on")
     if args.kernels:
         try:
             from . import kernels  # imported here: it may need packages the comparison does not
@@ -252,7 +256,7 @@ def main(argv=None) -> int:
             checkpointing.check_settings(checkpointing.QUICK, 1, args.device)
         except ValueError as e:
             parser.error(str(e))
-        figures = profile.run(cfg, args.device, compiled_replay=args.compiled_replay)
+        figures = profile.run(cfg, args.device)
         print(profile.format_report(figures))
     elif args.llama:
         from . import checkpointing, llama_steps
@@ -303,18 +307,36 @@ def _zero(parser: argparse.ArgumentParser, args) -> int:
 
     if args.steps is None:
         args.steps = zero.STEPS
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    # Under torchrun (or RANK and WORLD_SIZE set by hand): one of several ranks. Without: on
+    # CUDA, a world of one process; on CPU, refused (one rank shards nothing).
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) if launched else None
+        device = zero.rank_device(args.device, local_rank)
+    except ValueError as e:
+        parser.error(str(e))
+    if not launched and device.type != "cuda":
         parser.error(zero.NOT_DISTRIBUTED)
+    world = int(os.environ["WORLD_SIZE"]) if launched else 1
     try:
         zero.check_settings(
-            zero.QUICK if args.quick else _config(args),
-            args.steps,
-            args.device,
-            int(os.environ["WORLD_SIZE"]),
+            zero.QUICK if args.quick else _config(args), args.steps, device, world, compiled=args.compile
         )
     except (ValueError, probe.ProbeUnavailable) as e:
         parser.error(str(e))
-    rank = zero.init(args.init_method)
+    if launched:
+        init_method = args.init_method
+        rank = zero.init(init_method, device=device)
+    else:
+        given = args.init_method != "env://"  # (env:// needs torchrun's variables)
+        init_method = args.init_method if given else zero.one_process_rendezvous()
+        mine = None if given else Path(init_method[len("file://") :])  # removed on the way out
+        try:
+            rank = zero.init(init_method, device=device, rank=0, world=1)
+        except BaseException:
+            if mine is not None:
+                mine.unlink(missing_ok=True)
+            raise
     try:
         figures = zero.run(
             _config(args),
@@ -323,15 +345,27 @@ def _zero(parser: argparse.ArgumentParser, args) -> int:
             progress=None if args.quiet else sys.stderr,
             system_malloc=args.system_malloc,
             compile=args.compile,
+            device=device,
         )
+        if rank == 0:  # one table and one file, however many ranks
+            print(zero.format_report(figures))
+            if args.json:
+                _write_json(args.json, figures)
     except BaseException:
+        if not launched:
+            # One process: nobody waits on its group. Out now, with the error, rather than
+            # through an NCCL teardown after a failure (a CUDA error can make it hang).
+            import traceback
+
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if mine is not None:
+                mine.unlink(missing_ok=True)
+            os._exit(1)
         zero.finish()
         raise
-    if rank == 0:  # one table and one file, however many ranks
-        print(zero.format_report(figures))
-        if args.json:
-            _write_json(args.json, figures)
-    leave_ranks(args.init_method)  # does not return
+    leave_ranks(init_method)  # does not return
     return 0
 
 

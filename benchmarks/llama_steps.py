@@ -14,33 +14,43 @@ Per variant:
   what was allocated before it (weights and batch); not measured on CPU (the main
   benchmark's probe reads CPU memory).
 - **max |grad difference|** from the no-checkpoint run of the first step.
+- **held after forward**: on CUDA, what one forward leaves allocated while its loss is
+  alive (what backward reads): offloaded tensors count 0 once their copy has left.
+- **first step s**: the first warm-up step, where a compiled variant compiles.
 
-The variants: no checkpoint; ``torch.utils.checkpoint``; torch's selective checkpoint
-keeping matmuls and attention; tracedac ``recompute_all`` and ``save_matmuls``;
-``recompute_all`` with compiled replay (``tracedac.compiled_replay``: on during that
-variant's steps only); and ``torch.compile`` over the model with torch's checkpoint.
+The variants. Eager: no checkpoint; ``torch.utils.checkpoint``; torch's selective checkpoint
+keeping matmuls and attention; tracedac ``recompute_all``, ``save_matmuls`` and
+``memory_budget(0.5)``, each also with compiled replay (``tracedac.compiled_replay``: on
+during that variant's steps only). Offload: torch's ``save_on_cpu`` (every saved tensor to
+pinned host memory), torch's selective checkpoint offloading matmuls and attention
+(``MUST_CPU_OFFLOAD``, where torch has it), tracedac ``offload_ops(matmuls)``,
+``offload_kept(save_all())`` (everything the region keeps, offloaded) and ``memory_budget``
+at 0.5 and 0.2 with and without ``offload=True``. Compiled, each layer its own graph
+(``fullgraph=True``, as torchtitan compiles): torch's checkpoint, its selective checkpoint,
+no checkpoint under ``activation_memory_budget=0.5``, and tracedac ``recompute_all``,
+``save_matmuls`` and ``memory_budget(0.5)`` regions; and ``torch.compile`` over the whole
+model with torch's checkpoint. The goals printed at the end are issue 32's (eager and
+compiled) and issue 30's (offload).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, TextIO
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
+import torch._functorch.config as functorch_config
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
-from tracedac.policies import MATMUL_OPS
 
-from .child import Progress, table, time_in_turns
-from .llama import DecoderLayer, Llama, LlamaConfig, make_batch
+from .child import GOALS, Progress, goal_line, table, target, time_in_turns
+from .llama import Llama, LlamaConfig, make_batch
+from .llama_variants import BUDGET, VARIANTS
 
 __all__ = ["CPU", "CUDA", "QUICK", "VARIANTS", "format_report", "run"]
 
@@ -48,79 +58,6 @@ CUDA = LlamaConfig(vocab=32000, layers=8, dim=2048, heads=16, mlp_hidden=5632, b
 CPU = LlamaConfig(vocab=1024, layers=4, dim=256, heads=4, mlp_hidden=704, batch=4, seq=128)
 QUICK = LlamaConfig(vocab=64, layers=2, dim=32, heads=2, mlp_hidden=64, batch=2, seq=16)
 WARMUP = 3
-_SAC_OPS = set(MATMUL_OPS) | {
-    torch.ops.aten._scaled_dot_product_flash_attention,
-    torch.ops.aten._scaled_dot_product_efficient_attention,
-    torch.ops.aten._scaled_dot_product_cudnn_attention,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-}
-
-
-class _Checkpointed(nn.Module):
-    """A layer called through ``fn(layer, x)``: torch's checkpoint functions."""
-
-    def __init__(self, layer: nn.Module, fn: Callable):
-        super().__init__()
-        self.layer = layer
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(self.layer, x)
-
-
-def _sac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    return (
-        CheckpointPolicy.MUST_SAVE if func.overloadpacket in _SAC_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-    )
-
-
-def _torch(context_fn=None) -> Callable[[Llama], nn.Module]:
-    kwargs = (
-        {"use_reentrant": False} if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}
-    )
-    fn = functools.partial(torch_checkpoint.checkpoint, **kwargs)
-
-    def apply(model: Llama) -> nn.Module:
-        model.layers = nn.Sequential(*(_Checkpointed(layer, fn) for layer in model.layers))
-        return model
-
-    return apply
-
-
-def _tracedac(policy) -> Callable[[Llama], nn.Module]:
-    return lambda model: tracedac.wrap(model, DecoderLayer, policy=policy)
-
-
-def _compiled(model: Llama) -> nn.Module:
-    return torch.compile(_torch()(model))
-
-
-@dataclass(frozen=True)
-class Variant:
-    key: str
-    label: str
-    apply: Callable[[Llama], nn.Module]
-    compiled_replay: bool = False
-
-
-VARIANTS = (
-    Variant("none", "no checkpoint", lambda m: m),
-    Variant("torch", "torch checkpoint", _torch()),
-    Variant(
-        "torch_sac",
-        "torch selective (matmuls + attention)",
-        _torch(functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, _sac_policy)),
-    ),
-    Variant("tracedac_recompute_all", "tracedac recompute_all", _tracedac(tracedac.policies.recompute_all())),
-    Variant("tracedac_save_matmuls", "tracedac save_matmuls", _tracedac(tracedac.policies.save_matmuls())),
-    Variant(
-        "tracedac_compiled_replay",
-        "tracedac recompute_all, compiled replay",
-        _tracedac(tracedac.policies.recompute_all()),
-        compiled_replay=True,
-    ),
-    Variant("torch_compile", "torch.compile, torch checkpoint", _compiled),
-)
 
 
 def _sync(device: torch.device) -> None:
@@ -141,29 +78,48 @@ def run(
     dev = torch.device(device)
     cfg = cfg or (CUDA if dev.type == "cuda" else CPU)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    chosen = [v for v in VARIANTS if variants is None or v.key in variants]
     say = Progress(progress)
+    rows = {}
+    chosen = []
+    for v in VARIANTS:
+        if variants is not None and v.key not in variants:
+            continue
+        rows[v.key] = {"key": v.key, "label": v.label}
+        why = v.unavailable()
+        if why is None:
+            chosen.append(v)
+        else:
+            rows[v.key]["unavailable"] = why
+            say(f"llama: {v.key} left out: {why}")
     base = Llama.seeded(cfg).to(device=dev, dtype=dtype)
     batch = tuple(t.to(dev) for t in make_batch(cfg))
     models = {v.key: v.apply(copy.deepcopy(base)) for v in chosen}
     by_key = {v.key: v for v in chosen}
     reference = None
-    rows = {v.key: {"key": v.key, "label": v.label} for v in chosen}
+
+    def forward(key):
+        with by_key[key].context():
+            return models[key](*batch)
 
     def step(key):
-        model = models[key]
         before = tracedac.compiled_replay(by_key[key].compiled_replay)
         try:
-            for p in model.parameters():
+            for p in models[key].parameters():
                 p.grad = None
-            model(*batch).backward()
+            with by_key[key].context():
+                models[key](*batch).backward()
         finally:
             tracedac.compiled_replay(before)
 
     for key in models:
         say(f"llama: warming up {key}")
-        for _ in range(WARMUP):
-            step(key)
+        with functorch_config.patch(dict(by_key[key].functorch_config)):
+            t = time.perf_counter()
+            step(key)  # compiles, for the compiled variants
+            _sync(dev)
+            rows[key]["first_step_s"] = time.perf_counter() - t
+            for _ in range(WARMUP - 1):
+                step(key)
         grads = [p.grad.float() for p in models[key].parameters()]
         if key == "none":
             reference = grads
@@ -172,14 +128,7 @@ def run(
                 (a - b).abs().max().item() for a, b in zip(grads, reference, strict=True)
             )
         if dev.type == "cuda":
-            for p in models[key].parameters():
-                p.grad = None
-            torch.cuda.synchronize(dev)
-            start = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            step(key)
-            torch.cuda.synchronize(dev)
-            rows[key]["peak_over_weights"] = torch.cuda.max_memory_allocated(dev) - start
+            rows[key].update(_cuda_memory(dev, models[key], lambda: step(key), lambda: forward(key)))
 
     def timed(key, rep):
         _sync(dev)
@@ -192,37 +141,137 @@ def run(
     for key, seconds in times.items():
         rows[key]["step_s"] = statistics.median(seconds)
         rows[key]["times_s"] = seconds
+    link = None
+    if dev.type == "cuda" and any("offload" in k for k in models):  # what the planners priced
+        measured = tracedac.link.measure(dev, dtype)
+        link = {"bandwidth": measured.bandwidth, "flop_rate": measured.flop_rate}
     return {
+        "link": link,
         "config": asdict(cfg),
-        "device": str(dev),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
         "dtype": str(dtype),
         "steps": steps,
         "torch": torch.__version__,
+        "triton": _triton_version(),
         "threads": torch.get_num_threads(),
         "variants": list(rows.values()),
+        "targets": _targets(rows, dev.type == "cuda"),
     }
+
+
+def _cuda_memory(dev: torch.device, model: nn.Module, step: Callable, forward: Callable) -> dict:
+    """Through the caching allocator: the peak of one step over what was allocated before it
+    (weights, batch), and what one forward leaves allocated while its loss is alive (what the
+    backward will read: kept tensors; offloaded ones count 0 once their copy is done)."""
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.synchronize(dev)
+    start = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - start
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.synchronize(dev)
+    start = torch.cuda.memory_allocated(dev)
+    loss = forward()
+    torch.cuda.synchronize(dev)
+    held = torch.cuda.memory_allocated(dev) - start
+    loss.backward()  # frees what the forward saved (and the host copies)
+    del loss
+    return {"peak_over_weights": peak, "held_after_forward": held}
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def _targets(rows: dict, cuda: bool) -> list[dict]:
+    """Issue 32's eager and compiled targets and issue 30's offload one, where both rows ran.
+    tracedac's eager rows are its default: compiled replay on CUDA, op by op on the CPU."""
+
+    def ratio(a, b):
+        if "step_s" not in rows.get(a, {}) or "step_s" not in rows.get(b, {}):
+            return None
+        return rows[a]["step_s"] / rows[b]["step_s"]
+
+    def peak_ratio(a, b):
+        pa, pb = rows.get(a, {}).get("peak_over_weights"), rows.get(b, {}).get("peak_over_weights")
+        return None if pa is None or pb is None else pa / pb
+
+    recompute = "tracedac_compiled_replay" if cuda else "tracedac_recompute_all"
+    matmuls = "tracedac_save_matmuls_cr" if cuda else "tracedac_save_matmuls"
+    default = "compiled replay" if cuda else "op-by-op replay"
+    best_other = [ratio("tracedac_budget_offload", k) for k in (recompute, "tracedac_offload_all")]
+    return [
+        target(
+            f"tracedac recompute_all ({default}) step / torch checkpoint", ratio(recompute, "torch"), 0.95
+        ),
+        target(
+            f"tracedac recompute_all ({default}) peak / torch checkpoint", peak_ratio(recompute, "torch"), 1.0
+        ),
+        target(f"tracedac save_matmuls step / recompute_all ({default})", ratio(matmuls, recompute), 1.0),
+        target(f"tracedac save_matmuls ({default}) step / torch selective", ratio(matmuls, "torch_sac"), 1.0),
+        target(
+            "compiled tracedac recompute_all step / compiled torch checkpoint",
+            ratio("c_tracedac_recompute_all", "c_torch"),
+            1.02,
+        ),
+        target(
+            "compiled tracedac recompute_all peak / compiled torch checkpoint",
+            peak_ratio("c_tracedac_recompute_all", "c_torch"),
+            1.0,
+        ),
+        target(
+            f"memory_budget({BUDGET}, offload=True) step / memory_budget({BUDGET})",
+            ratio("tracedac_budget_offload", "tracedac_budget"),
+            1.0,
+        ),
+        target(
+            f"memory_budget({BUDGET}, offload=True) step / best of recompute_all and offload all",
+            None if None in best_other else min(best_other),
+            1.0,
+        ),
+    ]
 
 
 def format_report(r: dict) -> str:
     rows = r["variants"]
-    torch_s = next((x["step_s"] for x in rows if x["key"] == "torch"), None)
+    torch_s = next((x["step_s"] for x in rows if x["key"] == "torch" and "step_s" in x), None)
     cells = []
     for x in rows:
-        peak = x.get("peak_over_weights")
+        if "unavailable" in x:
+            cells.append([x["label"], "-", "-", "-", "-", "-", f"left out: {x['unavailable']}"])
+            continue
+        peak, held = x.get("peak_over_weights"), x.get("held_after_forward")
         cells.append(
             [
                 x["label"],
                 f"{x['step_s'] * 1e3:.1f}",
                 f"{x['step_s'] / torch_s:.2f}x" if torch_s else "-",
                 f"{peak / 2**30:.2f} GiB" if peak is not None else "-",
+                f"{held / 2**30:.2f} GiB" if held is not None else "-",
                 f"{x['max_grad_diff']:.2e}" if "max_grad_diff" in x else "-",
+                f"{x['first_step_s']:.1f}",
             ]
         )
     head = (
-        f"Llama-style decoder on {r['device']} ({r['dtype']}, {r['threads']} threads, torch {r['torch']}), "
-        f"median of {r['steps']} steps after {WARMUP} warm-up; model {r['config']}"
+        f"Llama-style decoder on {r['device']} ({r['dtype']}, {r['threads']} threads, torch {r['torch']}, "
+        f"triton {r['triton']}), median of {r['steps']} steps after {WARMUP} warm-up; model {r['config']}"
     )
+    if link := r.get("link"):
+        head += (
+            f"\nlink as tracedac measured it (what the offload planners price): {link['bandwidth'] / 1e9:.1f}"
+            f" GB/s each way, matmuls at {link['flop_rate'] / 1e12:.0f} TFLOP/s"
+        )
+    header = ["variant", "step ms", "vs torch checkpoint", "peak over weights", "held after forward"]
     return "\n".join(
         [head, ""]
-        + table(["variant", "step ms", "vs torch checkpoint", "peak over weights", "max |grad diff|"], cells)
+        + table([*header, "max |grad diff|", "first step s"], cells)
+        + ["", GOALS, *(goal_line(t) for t in r["targets"])]
     )

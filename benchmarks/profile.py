@@ -82,7 +82,7 @@ def _profiled(fn, device):
     return out, _half(prof.key_averages(), wall, device.type == "cuda")
 
 
-def run(cfg, device: str = "cpu", compiled_replay: bool = False) -> dict:
+def run(cfg, device: str = "cpu") -> dict:
     """Profile the MoE model (``cfg`` a ``model.Config``) or the Llama-style decoder (a
     ``llama.LlamaConfig``: bf16 on CUDA, as ``--llama`` runs it)."""
     dev = torch.device(device)
@@ -94,28 +94,24 @@ def run(cfg, device: str = "cpu", compiled_replay: bool = False) -> dict:
     else:
         base, unit = GPT.seeded(cfg).to(dev), Block
     batch = tuple(t.to(dev) for t in make_batch(cfg))
-    before = tracedac.compiled_replay(compiled_replay)
     result = {
         "config": asdict(cfg),
         "device": str(dev),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "compiled_replay": compiled_replay,
+        "compiled_replay": tracedac.replay_compiled.is_enabled(dev),
     }
-    try:
-        for key, model in (
-            ("plain", copy.deepcopy(base)),
-            ("tracedac", tracedac.wrap(copy.deepcopy(base), unit)),
-        ):
-            for _ in range(2):  # warm-up (a second for compiled replay: it compiles on the second sight)
-                torch.manual_seed(cfg.seed)
-                model(*batch).backward()
+    for key, model in (
+        ("plain", copy.deepcopy(base)),
+        ("tracedac", tracedac.wrap(copy.deepcopy(base), unit)),
+    ):
+        for _ in range(2):  # warm-up (a second for compiled replay: it compiles on the second sight)
             torch.manual_seed(cfg.seed)
-            loss, forward = _profiled(lambda: model(*batch), dev)
-            _, backward = _profiled(loss.backward, dev)
-            result[key] = {"forward": forward, "backward": backward}
-    finally:
-        tracedac.compiled_replay(before)
+            model(*batch).backward()
+        torch.manual_seed(cfg.seed)
+        loss, forward = _profiled(lambda: model(*batch), dev)
+        _, backward = _profiled(loss.backward, dev)
+        result[key] = {"forward": forward, "backward": backward}
     return result
 
 

@@ -1,5 +1,20 @@
 """``torchrun --nproc-per-node 2 -m benchmarks --zero``: ZeRO-3 implementations compared.
 
+On a GPU: ``python -m benchmarks --zero --device cuda`` (add ``--compile`` for the compiled
+rows, size flags such as ``--dim 1024 --layers 8 --seq 512 --batch 8 --experts 8
+--expert-hidden 2048 --heads 16`` for a model worth an H100) runs as one process, a world of
+one rank on NCCL (rendezvous in a fresh temporary file). A world of one shards nothing:
+tracedac.zero still runs its gathers and reduce-scatters (NCCL copies), while FSDP2 (torch
+2.13 at least) skips its all-gathers there, its all-gather column reading "none", so step
+ratios to FSDP2 include that difference. Under torchrun, ``--device cuda`` puts each rank on
+``cuda:LOCAL_RANK`` with NCCL. Models, batches and optimizer states live on the GPU; bytes
+held are ``torch.cuda.memory_allocated()`` differences (after a synchronize), each row also
+gets the peak of ``torch.cuda.max_memory_allocated()`` over one step (``peak over step``:
+above what was allocated when the step began; the JSON has the absolute peak too), and
+every timed interval starts and ends with ``torch.cuda.synchronize()``. The JSON names the
+device, torch, CUDA and Triton. Without a visible GPU ``--device cuda`` is refused. On CPU
+nothing changes: gloo, at least two ranks, under torchrun.
+
 tracedac.zero, FSDP2 and DeepSpeed ZeRO-3 (when installed), each in fp32 and bf16, plus
 an unsharded replicated run as the reference, all in one run of the same processes (see
 ``zero_variants`` for how each is set up). Same seeded model, same optimizer, same data:
@@ -50,6 +65,7 @@ import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 from typing import TextIO
@@ -64,15 +80,29 @@ from .collectives import AllGatherCounter
 from .model import GPT, Config, make_batch
 from .zero_variants import COMPILED_VARIANTS, LR, ZERO_VARIANTS, Trainer, ZeroVariant
 
-__all__ = ["NOT_DISTRIBUTED", "QUICK", "STEPS", "check_settings", "finish", "format_report", "init", "run"]
+__all__ = [
+    "NOT_DISTRIBUTED",
+    "NO_CUDA",
+    "QUICK",
+    "STEPS",
+    "check_settings",
+    "finish",
+    "format_report",
+    "init",
+    "one_process_rendezvous",
+    "rank_device",
+    "run",
+]
 
 NOT_DISTRIBUTED = (
-    "--zero compares sharded training, which needs several processes: run it as "
+    "--zero compares sharded training, which needs several processes on CPU: run it as "
     "`torchrun --nproc-per-node 2 -m benchmarks --zero`. Without torchrun, start one "
     "process per rank with RANK and WORLD_SIZE in its environment and the same "
-    "`--init-method file:///some/shared/path`."
+    "`--init-method file:///some/shared/path`. On a GPU, `python -m benchmarks --zero "
+    "--device cuda` runs as one process (a world of one rank, NCCL)."
 )
-_COUNT_SEED, _MEMORY_SEED = 10_000, 20_000  # steps after the timed ones
+NO_CUDA = "--zero --device cuda needs a CUDA device; none is visible"
+_COUNT_SEED, _MEMORY_SEED, _PEAK_SEED = 10_000, 20_000, 30_000  # steps after the timed ones
 _FULL_UNIT = 0.5  # fixed part held / smallest unit at or over which a unit counts as held
 # Below this the check says nothing: what the allocator holds for the autograd graph itself
 # (nodes, saved-variable records) does not grow with the batch either, about 0.6 MiB for
@@ -81,14 +111,67 @@ _MIN_UNIT_BYTES = 1 << 20
 STEPS = 4  # default timed steps: bf16 matmuls are slow on CPUs without AVX512-BF16
 
 
-def check_settings(cfg: Config, steps: int, device: str, world: int) -> None:
-    """Raise a ValueError saying what cannot run, before any process group exists."""
+def _device_type(device: str | torch.device) -> torch.device:
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(
+            f"--device {device!r} is no device torch knows ({e}); --zero runs on cpu or cuda."
+        ) from e
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"--zero runs on cpu (gloo) or cuda (NCCL); got --device {device}.")
+    return parsed
+
+
+def _no_cuda() -> str:
+    built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "built without CUDA"
+    return f"{NO_CUDA} (torch.cuda.is_available() is False; this torch {torch.__version__} is {built})."
+
+
+def rank_device(device: str | torch.device, local_rank: int | None = None) -> torch.device:
+    """The device this rank runs on: ``cpu``, or a CUDA device with its index: ``cuda:LOCAL_RANK``
+    under torchrun (``local_rank`` given), else the index ``device`` names (0 without one).
+    Raises a ValueError for another device type, no visible GPU, or an index out of range."""
+    parsed = _device_type(device)
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(_no_cuda())
+    index = local_rank if local_rank is not None else (parsed.index or 0)
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        where = f"LOCAL_RANK {local_rank}" if local_rank is not None else f"--device {device}"
+        raise ValueError(
+            f"{where} asks for CUDA device {index}, but {count} {'is' if count == 1 else 'are'} visible "
+            f"(cuda:0 to cuda:{count - 1}); start at most {count} rank(s) per machine."
+        )
+    return torch.device("cuda", index)
+
+
+def check_settings(
+    cfg: Config, steps: int, device: str | torch.device, world: int, compiled: bool = False
+) -> None:
+    """Raise a ValueError saying what cannot run, before any process group exists. On CPU:
+    gloo, two ranks or more; on CUDA: NCCL, one rank or more; compiled: torch 2.13 or newer."""
     cfg.check()
+    if compiled:
+        from tracedac.zero.unit import ZeroError, compiles_zero
+
+        try:
+            compiles_zero(dynamo=True)  # what a compiled unit asks at trace time
+        except ZeroError as e:
+            raise ValueError(f"--zero --compile: {e}") from None
     if steps < 1:
         raise ValueError(f"steps must be at least 1 to have a time to report, got {steps}")
-    if device != "cpu":
-        raise ValueError(f"--zero runs on CPU with gloo; got --device {device}. Leave --device out.")
-    if world < 2:
+    kind = _device_type(device).type
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(_no_cuda())
+        if not dist.is_nccl_available():
+            raise ValueError("--zero --device cuda runs on NCCL, which this build of torch lacks.")
+        if world < 1:
+            raise ValueError(f"WORLD_SIZE is {world}: at least one rank is needed.")
+    elif world < 2:
         raise ValueError(
             f"WORLD_SIZE is {world}: ZeRO-3 with one rank shards nothing. Use --nproc-per-node 2."
         )
@@ -96,12 +179,22 @@ def check_settings(cfg: Config, steps: int, device: str, world: int) -> None:
         raise ValueError(
             f"--batch {cfg.batch} does not split into {world} ranks' equal slices; use a multiple of {world}."
         )
-    probe.allocated_bytes("cpu")  # raises ProbeUnavailable where the allocator cannot be read
+    if kind == "cpu":
+        probe.allocated_bytes("cpu")  # raises ProbeUnavailable where the allocator cannot be read
 
 
-def _rank_batch(cfg: Config, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA; nothing to wait for on CPU), so that a
+    clock or memory reading sees the work before it done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rank_batch(
+    cfg: Config, rank: int, world: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     per = cfg.batch // world
-    return tuple(t[rank * per : (rank + 1) * per] for t in make_batch(cfg))  # [B / world, T] each
+    return tuple(t[rank * per : (rank + 1) * per].to(device) for t in make_batch(cfg))  # [B / world, T] each
 
 
 def _step(trainer: Trainer, batch, seed: int) -> torch.Tensor:
@@ -111,25 +204,41 @@ def _step(trainer: Trainer, batch, seed: int) -> torch.Tensor:
     return loss.detach().float()
 
 
-def _timed_step(trainer: Trainer, batch, seed: int) -> tuple[float, torch.Tensor]:
+def _timed_step(trainer: Trainer, batch, seed: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    _sync(device)  # nothing of an earlier step still running on the GPU
     dist.barrier()  # (time_in_turns collected garbage just before)
     start = time.perf_counter()
     loss = _step(trainer, batch, seed)
+    _sync(device)  # the step's kernels done, not just queued
     dist.barrier()  # the step ends when the slowest rank's does
     return time.perf_counter() - start, loss
 
 
-def _held_after_forward(trainer: Trainer, batch, seed: int) -> int:
+def _held_after_forward(trainer: Trainer, batch, seed: int, device: torch.device) -> int:
     gc.collect()
     dist.barrier()
     torch.manual_seed(seed)
-    before = probe.allocated_bytes()
+    before = probe.allocated_bytes(device)  # (CUDA: synchronizes, then memory_allocated)
     loss = trainer.forward(*batch)
     gc.collect()
-    held = probe.allocated_bytes() - before
+    held = probe.allocated_bytes(device) - before
     trainer.finish(loss)
     del loss
     return held
+
+
+def _peak_over_step(trainer: Trainer, batch, seed: int, device: torch.device) -> tuple[int, int]:
+    """CUDA: ``max_memory_allocated`` over one step (its statistic reset just before), and that
+    peak less what was allocated when the step began."""
+    gc.collect()
+    dist.barrier()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _step(trainer, batch, seed)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return peak, peak - before
 
 
 def _unit_numels(model: GPT) -> dict[str, int]:
@@ -138,7 +247,9 @@ def _unit_numels(model: GPT) -> dict[str, int]:
     return {"<root>": sum(p.numel() for p in model.parameters()) - sum(blocks.values()), **blocks}
 
 
-def _build(variants: list[ZeroVariant], base: GPT, per_rank: int, say) -> tuple[dict, dict]:
+def _build(
+    variants: list[ZeroVariant], base: GPT, per_rank: int, say, device: torch.device
+) -> tuple[dict, dict]:
     """Trainers that built on every rank, and why the others did not."""
     trainers, status = {}, {}
     for i, v in enumerate(variants, 1):
@@ -149,7 +260,8 @@ def _build(variants: list[ZeroVariant], base: GPT, per_rank: int, say) -> tuple[
             except Exception as e:  # a library that cannot run here: report it, run the rest
                 missing = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
         # Every rank must agree on which variants run, or their collectives would not match.
-        ok = torch.tensor([1 if missing is None else 0])
+        # (On the device: NCCL moves only CUDA tensors.)
+        ok = torch.tensor([1 if missing is None else 0], device=device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if ok.item() == 0:
             trainers.pop(v.key, None)
@@ -161,29 +273,33 @@ def _build(variants: list[ZeroVariant], base: GPT, per_rank: int, say) -> tuple[
     return trainers, status
 
 
-def _first_step(trainer: Trainer, batch, seed: int) -> tuple[float, int]:
+def _first_step(trainer: Trainer, batch, seed: int, device: torch.device) -> tuple[float, int]:
     """The untimed first step (a compiled row compiles in it): its seconds and dynamo's graph
     breaks during it."""
     from torch._dynamo.utils import counters
 
     counters["graph_break"].clear()
+    _sync(device)
     start = time.perf_counter()
     _step(trainer, batch, seed)
+    _sync(device)
     return time.perf_counter() - start, sum(counters["graph_break"].values())
 
 
-def _measure(cfg: Config, steps: int, say, variants) -> tuple[dict[str, dict], dict[str, int]]:
+def _measure(
+    cfg: Config, steps: int, say, variants, device: torch.device
+) -> tuple[dict[str, dict], dict[str, int]]:
     """This rank's figures per variant (see module doc), and the model's parameters per unit;
     collectives in the same order on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = GPT.seeded(cfg)
-    batch = _rank_batch(cfg, rank, world)
+    base = GPT.seeded(cfg).to(device)  # drawn on CPU from cfg.seed: the same weights on every device
+    batch = _rank_batch(cfg, rank, world, device)
     doubled = tuple(torch.cat([t, t]) for t in batch)  # [2B / world, T]: the same tokens twice
-    trainers, status = _build(list(variants), base, cfg.batch // world, say)
+    trainers, status = _build(list(variants), base, cfg.batch // world, say, device)
     found = {key: {"status": s} for key, s in status.items()}
     say(f"timing: one untimed step per variant (compiles), then {steps} timed")
     for key, trainer in trainers.items():
-        first_s, breaks = _first_step(trainer, batch, cfg.seed)
+        first_s, breaks = _first_step(trainer, batch, cfg.seed, device)
         found[key].update(first_step_s=first_s, graph_breaks=breaks)
     # The libraries imported by now (dynamo, DeepSpeed) leave millions of objects; frozen,
     # the gc.collect() before every step and memory reading skips them (0.5 s -> ms).
@@ -192,19 +308,28 @@ def _measure(cfg: Config, steps: int, say, variants) -> tuple[dict[str, dict], d
     losses: dict[str, float] = {}
 
     def timed_step(key, rep):
-        seconds, loss = _timed_step(trainers[key], batch, cfg.seed + 1 + rep)
+        seconds, loss = _timed_step(trainers[key], batch, cfg.seed + 1 + rep, device)
         losses[key] = float(loss)
         return seconds
 
     times = time_in_turns(trainers, steps, timed_step, say)
-    say("all-gather bytes, then bytes held after forward at the rank's batch and (eager rows) at twice it")
+    cuda = device.type == "cuda"
+    say(
+        "all-gather bytes, then bytes held after forward at the rank's batch and (eager rows) at twice it"
+        + (", then the peak allocated over a step" if cuda else "")
+    )
     compiled = {v.key for v in variants if v.compiled}
     for key, trainer in trainers.items():
         with AllGatherCounter() as counter:
             _step(trainer, batch, cfg.seed + _COUNT_SEED)
-        held = _held_after_forward(trainer, batch, cfg.seed + _MEMORY_SEED)
+        held = _held_after_forward(trainer, batch, cfg.seed + _MEMORY_SEED, device)
         held_doubled = (
-            None if key in compiled else _held_after_forward(trainer, doubled, cfg.seed + _MEMORY_SEED)
+            None
+            if key in compiled
+            else _held_after_forward(trainer, doubled, cfg.seed + _MEMORY_SEED, device)
+        )
+        peak, peak_step = (
+            _peak_over_step(trainer, batch, cfg.seed + _PEAK_SEED, device) if cuda else (None, None)
         )
         found[key].update(
             step_times_s=times[key],
@@ -214,6 +339,8 @@ def _measure(cfg: Config, steps: int, say, variants) -> tuple[dict[str, dict], d
             all_gather_calls=counter.calls,
             bytes_held=held,
             bytes_held_doubled=held_doubled,
+            peak_bytes=peak,
+            peak_step_bytes=peak_step,
         )
     return found, _unit_numels(base)
 
@@ -231,6 +358,9 @@ def _combine(per_rank: list[dict[str, dict]]) -> dict[str, dict]:
             row["loss"] = statistics.fmean(r["loss"] for r in rows)
             for field in ("bytes_held", "graph_breaks", "first_step_s"):
                 row[field] = max(r[field] for r in rows)
+            for field in ("peak_bytes", "peak_step_bytes"):  # (CUDA only)
+                values = [r.get(field) for r in rows]
+                row[field] = None if None in values else max(values)
             doubled = [r["bytes_held_doubled"] for r in rows]
             row["bytes_held_doubled"] = None if None in doubled else max(doubled)
             row["bytes_fixed"] = (
@@ -357,8 +487,12 @@ def run(
     progress: TextIO | None = sys.stderr,
     system_malloc: bool = False,
     compile: bool = False,
+    device: str | torch.device = "cpu",
 ) -> dict:
     """Run the comparison on the initialized default process group; every rank gets the figures.
+
+    ``device``: where this rank's models, batches and optimizer states live: ``cpu`` (gloo),
+    or this rank's CUDA device (NCCL; ``rank_device`` picks it, ``init`` starts the group).
 
     ``quick`` swaps in ``checkpointing.QUICK`` (a tiny model) and at most two timed steps.
     ``compile``: the compiled rows (``COMPILED_VARIANTS``) on the model with fixed-capacity
@@ -381,13 +515,17 @@ def run(
         # dynamo's default of 8, which fullgraph=True turns into an error.
         _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
     rank, world = dist.get_rank(), dist.get_world_size()
-    check_settings(cfg, steps, "cpu", world)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    check_settings(cfg, steps, device, world)
     say = Progress(progress if rank == 0 else None)
     start = time.perf_counter()
     load = os.getloadavg()[0]
-    steady = not system_malloc and probe.keep_freed_memory()
+    # CPU: glibc keeps freed memory, as torch's caching allocator does on CUDA (probe.py)
+    steady = device.type == "cpu" and not system_malloc and probe.keep_freed_memory()
     try:
-        found, units = _measure(cfg, steps, say, variants)
+        found, units = _measure(cfg, steps, say, variants, device)
     finally:
         gc.unfreeze()
     everyone = [None] * world
@@ -395,12 +533,11 @@ def run(
     rows = _rows(_combine(everyone), units, variants)
     wall = time.perf_counter() - start
     say(f"finished in {wall:.1f}s")
-    try:
-        from importlib.metadata import version
-
-        deepspeed = version("deepspeed")
-    except Exception:  # not installed, or installed without metadata
-        deepspeed = None
+    cuda = device.type == "cuda"
+    if cuda:
+        allocator = "torch's CUDA caching allocator"
+    else:
+        allocator = "glibc keeping freed memory (mallopt)" if steady else "default"
     return {
         "config": asdict(cfg),
         "steps": steps,
@@ -408,9 +545,15 @@ def run(
         "threads_per_rank": torch.get_num_threads(),
         "optimizer": f"AdamW(lr={LR})",
         "torch": torch.__version__,
-        "deepspeed": deepspeed,
-        "probe": probe.describe("cpu"),
-        "timing_allocator": "glibc keeping freed memory (mallopt)" if steady else "default",
+        "triton": _version("triton"),
+        "deepspeed": _version("deepspeed"),
+        "backend": str(dist.get_backend()),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else "CPU",
+        "cuda": torch.version.cuda if cuda else None,
+        "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+        "probe": probe.describe(device),
+        "timing_allocator": allocator,
         "units": units,
         "compiled": compile,
         "variants": rows,
@@ -421,17 +564,54 @@ def run(
     }
 
 
-def init(init_method: str, timeout_s: float = 600.0) -> int:
-    """Start the gloo process group ``run`` works in, ranks from the environment (torchrun
-    sets them); returns this process's rank. ``timeout_s`` bounds every collective, so a
-    rank that dies makes the others fail instead of waiting forever."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def _version(package: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:  # not installed, or installed without metadata
+        return None
+
+
+def one_process_rendezvous() -> str:
+    """A ``file://`` rendezvous in a fresh, empty temporary file, for a world of one process
+    (``leave_ranks`` removes it after a finished run)."""
+    fd, path = tempfile.mkstemp(prefix="tracedac-zero-", suffix=".rendezvous")
+    os.close(fd)
+    return f"file://{path}"
+
+
+def init(
+    init_method: str,
+    timeout_s: float = 600.0,
+    *,
+    device: str | torch.device = "cpu",
+    rank: int | None = None,
+    world: int | None = None,
+) -> int:
+    """Start the process group ``run`` works in: gloo on CPU, NCCL on CUDA (this rank's
+    ``device`` made current and bound to the group). Rank and world size from the
+    environment (torchrun sets them) unless given (a world of one: ``rank=0, world=1``);
+    returns this process's rank. ``timeout_s`` bounds every collective, so a rank that dies
+    makes the others fail instead of waiting forever."""
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    world = int(os.environ["WORLD_SIZE"]) if world is None else world
+    device = torch.device(device)
+    bound = {}
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # object collectives and DeviceMesh use the current device
+        backend, bound = "nccl", {"device_id": device}
+    else:
+        backend = "gloo"
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=init_method,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
+        **bound,
     )
     return rank
 
@@ -453,8 +633,8 @@ def _gathered(row: dict) -> str:
     return " + ".join(parts) if parts else "none"
 
 
-def _row_cells(row: dict) -> list[str]:
-    return [
+def _row_cells(row: dict, peak: bool) -> list[str]:
+    cells = [
         row["label"],
         str(row["graph_breaks"]),
         f"{row['first_step_s']:.1f} s",
@@ -467,6 +647,9 @@ def _row_cells(row: dict) -> list[str]:
         f"{row['loss']:.4f}",
         "-" if row["loss_diff"] is None else f"{row['loss_diff']:.1e}",
     ]
+    if peak:  # (CUDA) after "full unit held?"
+        cells.insert(8, "-" if row.get("peak_step_bytes") is None else mib(row["peak_step_bytes"]))
+    return cells
 
 
 def format_report(result: dict) -> str:
@@ -485,13 +668,17 @@ def format_report(result: dict) -> str:
         f"loss after {result['steps']}",
         "|loss - replicated|",
     ]
-    cells = {r["key"]: _row_cells(r) for r in result["variants"] if r["status"] == "ok"}
+    peak = any(r.get("peak_step_bytes") is not None for r in result["variants"])
+    if peak:
+        header.insert(8, "peak over step")
+    left = (0, header.index("all-gather / step"))
+    cells = {r["key"]: _row_cells(r, peak) for r in result["variants"] if r["status"] == "ok"}
     widths = [max(len(c[i]) for c in [header, *cells.values()]) for i in range(len(header))]
     widths[0] = max([widths[0]] + [len(r["label"]) for r in result["variants"]])
 
     def line(c: list[str]) -> str:
         return "  ".join(
-            x.ljust(w) if i in (0, 8) else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))
+            x.ljust(w) if i in left else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths))
         ).rstrip()
 
     def row_line(row: dict) -> str:
@@ -501,19 +688,29 @@ def format_report(result: dict) -> str:
 
     units = result["units"]
     smallest = min(units.values())
+    world = result["world_size"]
+    backend, device_name = result.get("backend", "gloo"), result.get("device_name", "CPU")
+    versions = "".join(f", {name} {result[name]}" for name in ("cuda", "triton") if result.get(name))
+    peak_note = (
+        "; peak over step = torch.cuda.max_memory_allocated() during one step less what was "
+        "allocated when it began"
+        if peak
+        else ""
+    )
     out = [
         f"model: {cfg['layers']} blocks, dim {cfg['dim']}, {cfg['heads']} heads, "
         f"{cfg['experts']} experts (top {cfg['top_k']}, width {cfg['expert_hidden']}), "
         f"global batch {cfg['batch']}x{cfg['seq']} tokens "
         f"({cfg['batch'] // result['world_size']} per rank), vocab {cfg['vocab']}, dropout {cfg['dropout']}",
-        f"{result['world_size']} ranks (gloo, CPU), {result['threads_per_rank']} threads each, "
-        f"torch {result['torch']}"
+        f"{world} rank{'s' if world != 1 else ''} ({backend}, {device_name}), "
+        f"{result['threads_per_rank']} threads each, torch {result['torch']}"
+        f"{versions if device_name != 'CPU' else ''}"
         f"{', deepspeed ' + result['deepspeed'] if result['deepspeed'] else ''}; {result['optimizer']}; "
         f"{result['steps']} timed steps per variant; timing allocator: {result['timing_allocator']}",
         f"units: root {units['<root>']:,} parameters, each block {units.get('blocks.0', 0):,}; "
         f"full unit held? = fixed part >= {_FULL_UNIT} x smallest unit ({smallest:,} parameters: "
         f"{mib(4 * smallest)} fp32, {mib(2 * smallest)} bf16; n/a under {mib(_MIN_UNIT_BYTES)}); "
-        f"memory: {result['probe']}, max over ranks",
+        f"memory: {result['probe']}, max over ranks{peak_note}",
         "",
         line(header),
         line(["-" * w for w in widths]),

@@ -1,18 +1,21 @@
 """The ZeRO-3 implementations the ``--zero`` benchmark compares, each as a ``Trainer``.
 
-Every variant gets a deep copy of one seeded fp32 model and the same optimizer (AdamW,
-``LR``), and is driven the same way: ``loss = trainer.forward(idx, targets)`` then
-``trainer.finish(loss)`` (backward, gradient reduction, optimizer step, gradients
-cleared). Units are the same everywhere: each ``Block`` is sharded on its own and the
-rest of the model (embeddings, final norm, head) forms the root unit.
+Every variant gets a deep copy of one seeded fp32 model (on the device the base model is
+on: CPU, or this rank's GPU) and the same optimizer (AdamW, ``LR``), and is driven the
+same way: ``loss = trainer.forward(idx, targets)`` then ``trainer.finish(loss)``
+(backward, gradient reduction, optimizer step, gradients cleared). Units are the same
+everywhere: each ``Block`` is sharded on its own and the rest of the model (embeddings,
+final norm, head) forms the root unit.
 
 - ``replicated``: no sharding; gradients all-reduced and averaged, as DDP does. The
   reference the others' losses are compared with.
 - ``tracedac``: ``tracedac.zero.shard``; bf16 with ``MixedPrecision(param_dtype=bf16,
   reduce_dtype=fp32)`` whose low-precision modules are ``nn.Linear`` and the model's
   ``MoE`` (its parameters are the experts' matmul weights); ``tracedac_auto`` (and the
-  ``--compile`` rows) with ``MixedPrecision("auto")`` under ``torch.autocast``, no list.
-- ``fsdp2``: ``fully_shard`` on each block then the root, on a 1-D CPU ``DeviceMesh``;
+  ``--compile`` rows) with ``MixedPrecision("auto")`` under ``torch.autocast`` (of the
+  batch's device type), no list.
+- ``fsdp2``: ``fully_shard`` on each block then the root, on a 1-D ``DeviceMesh`` of the
+  model's device type (cpu or cuda);
   bf16 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``. FSDP2's
   defaults otherwise (the root is not resharded after forward).
 - ``deepspeed``: ZeRO stage 3 with the same torch AdamW as client optimizer, and
@@ -93,6 +96,11 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR)
 
 
+def _device(model: nn.Module) -> torch.device:
+    """Where the model (a copy of the benchmark's base model) lives: cpu or a CUDA device."""
+    return next(model.parameters()).device
+
+
 def _replicated(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     return _Replicated(model, _adamw(model))
 
@@ -115,7 +123,7 @@ class _Autocast(Trainer):
     forward; compiled: the gather-cast pass)."""
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", torch.bfloat16):
+        with torch.autocast(idx.device.type, torch.bfloat16):  # cpu or cuda, where the batch is
             return self.model(idx, targets)
 
 
@@ -179,7 +187,7 @@ def _fsdp2(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(_device(model).type, (dist.get_world_size(),))  # "cpu" or "cuda"
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
@@ -192,7 +200,8 @@ def _fsdp2(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
 
 
 def _deepspeed(model: GPT, bf16: bool, per_rank_batch: int) -> Trainer:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
+    if _device(model).type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # one INFO line per step otherwise

@@ -21,6 +21,8 @@ from benchmarks import zero
 from benchmarks.__main__ import main
 from benchmarks.child import ROOT
 
+from ..zero.compiles import needs_compiled_zero
+
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 
 TIMEOUT_S = 120
@@ -227,6 +229,7 @@ def test_a_missing_deepspeed_shows_as_not_installed_and_the_rest_still_reports(q
     assert "tracedac.zero bf16" in text and "goals (" in text
 
 
+@needs_compiled_zero
 def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_equal_losses(quick_compiled):
     figures, rank0, _ = quick_compiled
     by = rows(figures)
@@ -265,3 +268,69 @@ def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_e
     names = [t["name"] for t in figures["targets"]]
     assert "tracedac.zero compiled fp32 step / FSDP2 compiled fp32" in names
     assert "graph breaks, tracedac.zero compiled (checkpointed MoE)" in names
+
+
+# --- --device cuda: what can be checked without a GPU (the GPU run itself is by hand) ---
+
+
+def test_zero_cuda_without_a_gpu_says_none_is_visible(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit:
+        main(["--zero", "--quick", "--device", "cuda"])
+    assert exit.value.code == 2
+    assert zero.NO_CUDA in capsys.readouterr().err
+
+
+def test_zero_cuda_picks_the_rank_s_device(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert zero.rank_device("cuda") == torch.device("cuda", 0)
+    assert zero.rank_device("cuda:1") == torch.device("cuda", 1)
+    assert zero.rank_device("cuda:0", 1) == torch.device("cuda", 1)  # under torchrun: LOCAL_RANK
+    assert zero.rank_device("cpu", 1) == torch.device("cpu")
+    for args in (("cuda:2",), ("cuda", 2), ("mps",), ("gpu",)):
+        with pytest.raises(ValueError):
+            zero.rank_device(*args)
+
+
+def test_zero_cuda_runs_a_world_of_one_on_nccl_bound_to_the_device(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    zero.check_settings(zero.QUICK, 1, "cuda:0", 1)  # one rank: fine on CUDA
+    with pytest.raises(ValueError, match="shards nothing"):
+        zero.check_settings(zero.QUICK, 1, "cpu", 1)  # and still refused on CPU
+    got = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: got.update(current=d))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: got.update(backend=a[0], **k))
+    rendezvous = zero.one_process_rendezvous()
+    try:
+        assert rendezvous.startswith("file://") and os.path.getsize(rendezvous[len("file://") :]) == 0
+        assert zero.init(rendezvous, device=torch.device("cuda", 0), rank=0, world=1) == 0
+    finally:
+        os.unlink(rendezvous[len("file://") :])
+    cuda0 = torch.device("cuda", 0)
+    assert got["backend"] == "nccl" and got["device_id"] == cuda0 and got["current"] == cuda0
+    assert (got["rank"], got["world_size"], got["init_method"]) == (0, 1, rendezvous)
+
+
+def test_a_cuda_run_reports_its_device_and_each_row_s_peak(quick):
+    figures = copy.deepcopy(quick[0])
+    figures.update(world_size=1, backend="nccl", device="cuda:0", device_name="NVIDIA H100", cuda="13.0")
+    for i, row in enumerate(figures["variants"]):
+        if row["status"] == "ok":
+            row.update(peak_bytes=2**30, peak_step_bytes=(i + 1) << 20)
+    text = zero.format_report(figures)
+    assert "1 rank (nccl, NVIDIA H100)" in text and "cuda 13.0" in text
+    header = next(line for line in text.splitlines() if line.startswith("variant"))
+    assert "held after fwd" in header and "peak over step" in header
+    assert "2.00 MiB" in next(line for line in text.splitlines() if line.startswith("tracedac.zero fp32"))
+    assert "peak over step" not in zero.format_report(quick[0])  # CPU: the table as before

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# One GPU session's measurements (issues 32 and 30), in about 8 minutes on one H100.
+#
+#   OUT=/some/dir tools/gpu_session.sh        # on the GPU machine, from the repository root
+#
+# GPU machines are lent now and then for about 15 minutes, starts included, so everything the
+# issues measure on a GPU runs here, once, each stage under its own time limit so that one stage
+# that hangs or fails costs only itself. Stages, in order of what a user deciding on tracedac
+# reads first:
+#   llama      python -m benchmarks --llama --device cuda: eager, compiled and offload rows
+#   kernels    python -m benchmarks --kernels: pack_cast / accumulate_ across unit sizes
+#   zero       python -m benchmarks --zero --device cuda (one rank, NCCL); with --compile last
+#   gpu tests  the test files that use a CUDA device when one is visible
+#   profile    python -m benchmarks --profile --llama --device cuda
+# and, the whole time, in the background on the other half of the cores, the suite with the GPU
+# hidden (what the GPU tests above do not cover), so that it does not disturb the timings.
+# Every log and JSON lands in a temporary work/ folder; $OUT/results.tgz holds them all, remade
+# after each stage, beside $OUT/session.log (the device tool brings back at most 8 files). The limits add up to 575 s.
+set -u
+OUT=${OUT:-gpu-out}
+DEV=${DEVICE:-cuda}  # DEVICE=cpu: a dry run of every stage at the benchmarks' --quick sizes
+if [ "$DEV" = cpu ]; then QUICK=--quick CFG=l.QUICK; else QUICK= CFG="replace(l.CUDA, layers=2)"; fi
+W=$(mktemp -d)/work  # outside $OUT: the device tool brings back 8 files at most
+mkdir -p "$W" "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+CORES=$(nproc)
+HALF=$((CORES / 2))
+FG="0-$((HALF - 1))"
+BG="$HALF-$((CORES - 1))"
+
+say() { echo "[$(date +%T)] $*" | tee -a "$W/session.log"; }
+pack() { tar -C "$W/.." -czf "$OUT/results.tgz" work && cp "$W/session.log" "$OUT/"; }
+stage() {  # stage NAME LIMIT_S COMMAND...: run on the foreground cores, log to work/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  say "start $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout -k 5 "$limit" taskset -c "$FG" "$@" >"$W/$name.log" 2>&1
+  say "end $name rc=$? after $((SECONDS - t0))s"
+  pack
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  python3 -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
+  python3 -m pip list 2>/dev/null | grep -iE "^(torch|triton|transformers|peft|networkx|hypothesis|pytest|pytest-xdist|expecttest|numpy) "
+} >"$W/machine.txt" 2>&1
+say "machine: $(tail -n +2 "$W/machine.txt" | head -3 | tr '\n' ' ')"
+# Wheels carried in .whl (the device tool's `carry`) for what the image lacks or has too old:
+# expecttest (the OpInfo tests) and transformers >= 5.23 (the image's 5.17 has no
+# activation_checkpointing_enable). `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_28_x86_64 -d .whl expecttest transformers==5.24.0`, .whl in .git/info/exclude.
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >"$W/wheels.log" 2>&1 &&
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+# The suite without the GPU, in the background on the other cores (the CUDA files: stage gpu_tests).
+GPU_TESTS="tests/kernels/test_gpu.py tests/kernels/test_host_path.py tests/bench/test_kernels_bench.py
+  tests/test_offload.py::test_on_cuda_the_copy_is_pinned_asynchronous_and_the_device_memory_goes
+  tests/test_offload.py::test_on_cuda_a_prefetched_copy_is_on_the_device_before_backward_reads_it_and_exact
+  tests/test_offload_planner.py::test_on_cuda_the_link_is_measured_and_an_offloading_plan_holds_fewer_device_bytes
+  tests/test_compiled_replay.py::test_on_cuda_by_default_a_repeated_replay_runs_compiled_within_bf16_rounding"
+[ "$DEV" = cpu ] || (
+  CUDA_VISIBLE_DEVICES="" timeout -k 5 400 taskset -c "$BG" \
+    python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 300 tests >"$W/suite_cpu.log" 2>&1
+  echo "rc=$?" >>"$W/suite_cpu.log"
+) &
+SUITE=$!
+
+EAGER=none,torch,torch_sac,tracedac_recompute_all,tracedac_compiled_replay,tracedac_save_matmuls,\
+tracedac_save_matmuls_cr,tracedac_budget,tracedac_budget_cr,save_on_cpu,torch_sac_offload,\
+tracedac_offload_matmuls,tracedac_offload_all,tracedac_budget_offload,tracedac_tight,tracedac_tight_offload
+stage llama 100 python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 --only "$EAGER" --json "$W/llama.json"
+# Compiled, each layer its own graph: 2 of the 8 layers (a tracedac region compiles once per layer;
+# torch's checkpoint once in all), beside the eager references at the same size.
+COMPILED=none,torch,tracedac_recompute_all,c_torch,c_torch_sac,c_budget_torch,c_tracedac_recompute_all,\
+c_tracedac_save_matmuls,c_tracedac_budget
+stage llama_compiled 170 python3 -c "
+import json, sys
+from dataclasses import replace
+from benchmarks import llama_steps as l
+r = l.run($CFG, device='$DEV', steps=5, variants=tuple('$COMPILED'.split(',')))
+print(l.format_report(r))
+json.dump(r, open('$W/llama_compiled.json', 'w'), indent=1, default=str)
+"
+stage kernels 40 python3 -m benchmarks --kernels $QUICK --json "$W/kernels.json"
+ZERO_SIZE="--layers 2 --dim 1024 --heads 16 --experts 8 --expert-hidden 2048 --seq 512 --batch 8"
+stage zero 45 python3 -m benchmarks --zero --device $DEV $QUICK $ZERO_SIZE --json "$W/zero.json"
+stage gpu_tests 50 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS
+stage profile 40 python3 -m benchmarks --profile --llama --device $DEV $QUICK --json "$W/profile.json"
+# last: it compiles the most (each tracedac block, both precisions, and FSDP2's)
+stage zero_compile 130 python3 -m benchmarks --zero --compile --device $DEV $QUICK $ZERO_SIZE --json "$W/zero_compile.json"
+say "waiting for the background suite"
+wait "$SUITE"
+say "suite (GPU hidden): $(tail -2 "$W/suite_cpu.log" | tr '\n' ' ')"
+pack
+say "done"
