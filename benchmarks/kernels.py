@@ -110,15 +110,10 @@ def _time_cuda(fn, repeats: int) -> float:
 
 def _host_time(fn, repeats: int, on_gpu: bool) -> float:
     """Median seconds the host spends in one call (on CUDA: enqueueing it; nothing waits)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    seconds = _time_cpu(fn, repeats)  # (wall time of the call: the host's, on CUDA)
     if on_gpu:
         torch.cuda.synchronize()
-    return statistics.median(times)
+    return seconds
 
 
 def _copy_bandwidth(device: torch.device, repeats: int) -> float:

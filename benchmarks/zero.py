@@ -565,11 +565,11 @@ def run(
 
 
 def _version(package: str) -> str | None:
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         return version(package)
-    except Exception:  # not installed, or installed without metadata
+    except PackageNotFoundError:  # not installed, or installed without metadata
         return None
 
 

@@ -111,3 +111,11 @@ def test_importing_tracedac_kernels_does_not_import_triton():
     code = "import sys, tracedac.kernels; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_sparse_tensors_are_refused_saying_to_pass_them_dense():
+    dense = torch.ones(4)
+    with pytest.raises(TypeError, match=r"srcs\[0\] is torch.sparse_coo.*to_dense"):
+        pack_cast([dense.to_sparse()], torch.empty(4, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"src is torch.sparse_coo.*to_dense"):
+        accumulate_(torch.zeros(4), dense.to(torch.bfloat16).to_sparse())

@@ -9,13 +9,13 @@ checked again and refused with the error a first call gets.
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracedac.kernels import accumulate_, pack_cast
 from tracedac.kernels import cast as cast_module
 from tracedac.kernels import launch as launch_module
 from tracedac.kernels.bits import to_bits
 
+from ..util import OpCounter
 from .castcheck import assert_same_bits, expected_accumulate, expected_pack
 
 
@@ -147,15 +147,6 @@ def test_a_key_the_op_saw_is_still_argument_checked(counted):
 def test_modes_and_grad_are_looked_at_on_every_call(backend, counted, monkeypatch):
     """A cached key decides the checks, not whether the call goes through the op."""
 
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
     through_op = []
     impl = cast_module._pack_cast_impl
     monkeypatch.setattr(cast_module, "_pack_cast_impl", lambda *args: through_op.append(1) or impl(*args))
@@ -164,9 +155,9 @@ def test_modes_and_grad_are_looked_at_on_every_call(backend, counted, monkeypatc
     pack_cast([src], dst.detach(), backend=backend)
     pack_cast([src], dst.detach(), backend=backend)  # a hit: run directly
     assert through_op == [] and counted["check_pack_cast"] == 1
-    with Record() as recorder:
+    with OpCounter() as ops:
         pack_cast([src], dst.detach(), backend=backend)
-    assert recorder.ops.count(torch.ops.tracedac.pack_cast.default) == 1
+    assert ops.counts[torch.ops.tracedac.pack_cast] == 1
     pack_cast([src], dst, backend=backend)  # same key, but dst requires grad: the op
     assert len(through_op) == 2
     with torch.no_grad():

@@ -156,7 +156,7 @@ def _pack_key(srcs, dst: torch.Tensor) -> tuple | None:
         if len(key) != len(srcs):
             return None
         key.append((dst.data_ptr(), dst.dtype, dst.shape, dst.stride(), dst.device))
-    except Exception:  # no such metadata: the checked path raises what it raises
+    except (RuntimeError, NotImplementedError):  # no such metadata (sparse): the checked path says so
         return None
     return tuple(key)
 
@@ -169,7 +169,7 @@ def _accumulate_key(dst: torch.Tensor, src: object) -> tuple | None:
             (src.data_ptr(), src.dtype, src.shape, src.stride(), src.device),
             (dst.data_ptr(), dst.dtype, dst.shape, dst.stride(), dst.device),
         )
-    except Exception:  # no such metadata: the checked path raises what it raises
+    except (RuntimeError, NotImplementedError):  # no such metadata (sparse): the checked path says so
         return None
 
 

@@ -47,6 +47,11 @@ def resolve_backend(op: str, backend: object, device: torch.device) -> str:
 def _check_tensor(op: str, name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op} expects {name} to be a torch.Tensor, got {type(value).__name__}.")
+    if value.layout != torch.strided:
+        raise TypeError(
+            f"{op} reads and writes dense tensors through their storage, but {name} is {value.layout}. "
+            f"Pass {name}.to_dense()."
+        )
     return value
 
 
