@@ -129,6 +129,7 @@ def test_after_backward_nothing_of_the_graph_survives(policy, compiled):
             handles = [weakref.ref(h) for h in regions[0].handles]
             regions.clear()
             assert handles and graph() is not None
+            assert kept or isinstance(policy, policies.OffloadKept)  # (offloaded: held on the host)
             out.backward()
             assert graph() is None and all(r() is None for r in kept + handles), (
                 "freed by reference counting alone"

@@ -30,6 +30,7 @@ planning every call took 50 to 85 and 125 to 195; a call with a new key pays the
 
 import threading
 from collections import OrderedDict
+from functools import partial
 
 import torch
 
@@ -63,17 +64,8 @@ def pack_cast(srcs: list[torch.Tensor], dst: torch.Tensor, *, backend: str = "au
         else:
             torch.ops.tracedac.pack_cast(srcs, dst, backend)
         return dst
-    call = _pack_calls.get(key)
-    if call is None or not call.args_checked:
-        check_pack_cast(srcs, dst)
-    backend = resolve_backend("pack_cast", backend, dst.device)
-    if call is None:
-        check_no_overlap("pack_cast", srcs, dst)
-        call = _pack_calls.add(key)
-    call.args_checked = True
-    _run(call, srcs, dst, backend, pack_cast_torch, False)
-    torch.autograd.graph.increment_version(dst)
-    return dst
+    check = partial(check_pack_cast, srcs, dst)
+    return _keyed("pack_cast", _pack_calls, key, check, srcs, dst, backend, pack_cast_torch, False)
 
 
 def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -92,17 +84,8 @@ def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, backend: str = "auto") 
         else:
             torch.ops.tracedac.accumulate_(dst, src, backend)
         return dst
-    call = _accumulate_calls.get(key)
-    if call is None or not call.args_checked:
-        check_accumulate(dst, src)
-    backend = resolve_backend("accumulate_", backend, dst.device)
-    if call is None:
-        check_no_overlap("accumulate_", [src], dst)
-        call = _accumulate_calls.add(key)
-    call.args_checked = True
-    _run(call, (src,), dst, backend, _accumulate_torch, True)
-    torch.autograd.graph.increment_version(dst)
-    return dst
+    check = partial(check_accumulate, dst, src)
+    return _keyed("accumulate_", _accumulate_calls, key, check, [src], dst, backend, _accumulate_torch, True)
 
 
 # Private, hence looked up defensively: without it every call takes the op path.
@@ -228,6 +211,33 @@ _pack_calls = _Calls(_CACHE_SIZE)
 _accumulate_calls = _Calls(_CACHE_SIZE)
 
 
+def _keyed(op: str, calls: _Calls, key: tuple, check_args, srcs, dst, backend, torch_impl, accumulate: bool):
+    """A direct call with a key: ``check_args()`` and the overlap check only where no call
+    with this key passed them, then the (prepared) launch; returns ``dst``."""
+    call = calls.get(key)
+    if call is None or not call.args_checked:
+        check_args()
+    backend = resolve_backend(op, backend, dst.device)
+    if call is None:
+        check_no_overlap(op, srcs, dst)
+        call = calls.add(key)
+    call.args_checked = True
+    _run(call, srcs, dst, backend, torch_impl, accumulate)
+    torch.autograd.graph.increment_version(dst)
+    return dst
+
+
+def _op_body(op: str, calls: _Calls, key: tuple | None, srcs, dst, backend, torch_impl, accumulate: bool):
+    """The op's body (and a checked direct call's): the overlap check, unless it passed for
+    this key before. The argument checks ran in the public function (or not at all, for the
+    op called directly), so the entry does not count them."""
+    call = None if key is None else calls.get(key)
+    if call is None:
+        check_no_overlap(op, srcs, dst)
+        call = None if key is None else calls.add(key)
+    _run(call, srcs, dst, backend, torch_impl, accumulate)
+
+
 def _run(call: _Call | None, srcs, dst: torch.Tensor, backend: str, torch_impl, accumulate: bool) -> None:
     """Run checked arguments on ``backend``, with ``call``'s prepared launch when it has one."""
     if backend != "triton":
@@ -252,15 +262,7 @@ def _pack_cast_op(srcs: list[torch.Tensor], dst: torch.Tensor, backend: str) -> 
 
 
 def _pack_cast_impl(srcs: list[torch.Tensor], dst: torch.Tensor, backend: str) -> None:
-    # The op's body (and a checked direct call's): the overlap check, unless it passed for
-    # this key before. The argument checks ran in ``pack_cast`` (or not at all, for the op
-    # called directly), so the entry does not count them.
-    key = _pack_key(srcs, dst)
-    call = None if key is None else _pack_calls.get(key)
-    if call is None:
-        check_no_overlap("pack_cast", srcs, dst)
-        call = None if key is None else _pack_calls.add(key)
-    _run(call, srcs, dst, backend, pack_cast_torch, False)
+    _op_body("pack_cast", _pack_calls, _pack_key(srcs, dst), srcs, dst, backend, pack_cast_torch, False)
 
 
 @_pack_cast_op.register_fake
@@ -276,11 +278,7 @@ def _accumulate_op(dst: torch.Tensor, src: torch.Tensor, backend: str) -> None:
 
 def _accumulate_impl(dst: torch.Tensor, src: torch.Tensor, backend: str) -> None:
     key = _accumulate_key(dst, src)
-    call = None if key is None else _accumulate_calls.get(key)
-    if call is None:
-        check_no_overlap("accumulate_", [src], dst)
-        call = None if key is None else _accumulate_calls.add(key)
-    _run(call, (src,), dst, backend, _accumulate_torch, True)
+    _op_body("accumulate_", _accumulate_calls, key, [src], dst, backend, _accumulate_torch, True)
 
 
 @_accumulate_op.register_fake
