@@ -436,3 +436,67 @@ def test_on_cuda_a_prefetched_copy_is_on_the_device_before_backward_reads_it_and
         h = (h @ w).tanh() @ w
     want = torch.autograd.grad(h.sum(), [x, *ws])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+class _BringBacks:
+    """Serve copies as on a GPU (brought back, not read in place) and count each bring-back."""
+
+    def __init__(self, monkeypatch):
+        from tracedac import offload
+
+        self.counts: dict = {}
+        bring_back = offload.HostCopy._bring_back
+
+        def counted(copy):
+            self.counts[id(copy)] = self.counts.get(id(copy), 0) + 1
+            return bring_back(copy).clone()  # a separate buffer, as a device copy is
+
+        monkeypatch.setattr(offload, "_in_place", lambda device: False)
+        monkeypatch.setattr(offload.HostCopy, "_bring_back", counted)
+
+
+def shares(x, w):
+    y = tracedac.name(x @ w, "y")  # offloaded; sin and cos both save it: two handles on one copy
+    return (y.sin() * y.cos()).sum()
+
+
+def test_a_copy_several_handles_share_comes_back_once_and_the_device_copy_goes_after_the_last(monkeypatch):
+    """Without sharing, each further reader copied the whole storage back again (on a GPU, on
+    the main stream, where no compute hides it)."""
+    from tracedac import offload
+
+    seen = _BringBacks(monkeypatch)
+    made = []
+    init = offload.HostCopy.__init__
+
+    def track(copy, *a):
+        init(copy, *a)
+        made.append(copy)
+
+    monkeypatch.setattr(offload.HostCopy, "__init__", track)
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(8, 8, generator=g).requires_grad_() for _ in range(2))
+    out = checkpoint(shares, policy=policies.offload_names("y"))(x, w)
+    (copy,) = made
+    assert len(copy.readers) == 2 and copy.back is None
+    got = torch.autograd.grad(out, [x, w], retain_graph=True)
+    assert seen.counts == {id(copy): 1}
+    assert not copy.readers and copy.back is None  # read by both: the device copy is gone
+    want = torch.autograd.grad(shares(x, w), [x, w])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # A second backward (retain_graph) finds no holder left to share with: each read brings
+    # the copy back (the replay of sin and cos for mul's backward, then the two handles).
+    again = torch.autograd.grad(out, [x, w])
+    assert seen.counts == {id(copy): 1 + 3}
+    assert all(torch.equal(a, b) for a, b in zip(again, want, strict=True))
+
+
+@pytest.mark.parametrize("policy", OFFLOADING.values(), ids=OFFLOADING.keys())
+def test_every_copy_comes_back_at_most_once_per_backward_and_gives_eagers_gradients(monkeypatch, policy):
+    seen = _BringBacks(monkeypatch)
+    a = args()
+    got = run(checkpoint(block, policy=policy), a)
+    want = run(block, a)
+    assert seen.counts and set(seen.counts.values()) == {1}
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(x, y) for x, y in zip(got[1], want[1], strict=True))

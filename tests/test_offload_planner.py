@@ -242,6 +242,38 @@ def test_every_mix_of_keep_offload_and_replay_gives_eagers_values_and_gradients_
         assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
 
 
+STEADY = {**MIXES, "offload_kept(memory_budget(0.3))": policies.offload_kept(policies.memory_budget(0.3))}
+OFFLOADS_NOTHING = {"budget 0.6, slow", "min_cut replaying matmuls", "with save_names"}  # in ``block``
+
+
+@pytest.mark.parametrize("name", STEADY)
+def test_the_plan_made_at_the_first_step_is_followed_at_every_step_after(monkeypatch, name):
+    """Every step copies the same storages to the host, plans nothing again, and gives eager's
+    gradients. (The offloads a cached plan made while recording were once taken for the
+    policy's own: the plan looked stale, was made again around them, and from the third
+    step on nothing was offloaded and those values were replayed.)"""
+    from tracedac import offload, plan_cache
+
+    copied = []
+    init = offload.HostCopy.__init__
+
+    def counted(copy, t, state):
+        init(copy, t, state)
+        copied[-1].append(t.untyped_storage().nbytes())
+
+    monkeypatch.setattr(offload.HostCopy, "__init__", counted)
+    f = checkpoint(block, policy=STEADY[name])
+    want = run(block, args())
+    monkeypatch.setattr(plan_cache, "plans", plan_cache.PlanCache())  # none from the tests before
+    for _ in range(4):
+        copied.append([])
+        got = run(f, args())
+        assert all(torch.equal(x, y) for x, y in zip(got[1], want[1], strict=True))
+    assert plan_cache.plans.made == 1
+    assert bool(copied[0]) == (name not in OFFLOADS_NOTHING)
+    assert all(sorted(c) == sorted(copied[0]) for c in copied)
+
+
 def test_one_plan_keeps_offloads_and_replays_at_once():
     """The mix the tests above rely on is real: kept, offloaded and replayed tensors together."""
     r = report(MIXES["budget 0.3, medium"])

@@ -18,6 +18,14 @@ In backward, ``fetch`` makes the current stream wait for the copy's event and co
 with ``non_blocking=True`` on the current stream (pinned memory: asynchronous, and ordered
 before the backward ops that read it).
 
+Brought back once. Several handles often share one copy (a result two backward nodes save, an
+op that saves one tensor twice). The first to read it brings the bytes back; the device copy
+is then held for the others (``readers``: the handles holding this copy that have not read it)
+and let go when the last has, as a kept tensor is held until backward is done with it. A
+handle that is never read (a branch backward does not take) leaves the device copy to the
+graph's end. Without this every further reader copied the whole storage again, on the
+current stream, where no compute hides it.
+
 Prefetch, a region ahead. Each region's copies form a batch, in forward order (``settle``).
 Backward runs the regions in reverse, so when it first brings back a copy of one region, the
 copies of the region before it (``prefetch_regions(n)``: the ``n`` before it; 1 by default, 0
@@ -113,6 +121,11 @@ def _prefetch_before(batch: list) -> None:
                 c.prefetch()
 
 
+def _in_place(device: torch.device) -> bool:
+    """Whether a copy on ``device`` is read where it is: on the CPU, host and device are one."""
+    return device.type == "cpu"
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over the whole of ``t``'s storage."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
@@ -131,6 +144,8 @@ class HostCopy:
         "ref",
         "batch",
         "prefetched",
+        "readers",
+        "back",
         "__weakref__",
     )
 
@@ -143,6 +158,8 @@ class HostCopy:
         self.ref = weakref.ref(t)  # the program's tensor, to make the token from later (see watch)
         self.batch = None  # its region's copies (``_register``)
         self.prefetched = None  # False: asked for; else (CUDA) the device buffer and its event
+        self.readers: set = set()  # ids of the handles holding this copy that have not read it
+        self.back = None  # the bytes back on the device, while readers are left to read them
         with torch._C._DisableTorchDispatch(), torch.no_grad():
             src = _flat(t)
             if t.device.type == "cuda":
@@ -225,14 +242,36 @@ class HostCopy:
                 done.record(side)
         self.prefetched = (out, done)
 
-    def source(self) -> torch.Tensor:
-        """A uint8 tensor on the device holding the copied bytes (on the CPU: the copy itself)."""
+    def hold(self, handle) -> None:
+        """``handle`` holds this copy and will read it (in the backward that needs it)."""
+        self.readers.add(id(handle))
+
+    def read(self, handle) -> None:
+        """``handle`` has read this copy, or let go of it: when no holder is left to read it,
+        the device copy goes (the tensors handed out keep its storage while they are used)."""
+        self.readers.discard(id(handle))
+        if not self.readers:
+            self.back = None
+
+    def source(self, reader=None) -> torch.Tensor:
+        """A uint8 tensor on the device holding the copied bytes (on the CPU: the copy itself),
+        for ``reader`` (a handle holding the copy; None: a replay pass starting from it).
+        Brought back once while a holder is left to read it after this one."""
         if self.batch is not None:
             _prefetch_before(self.batch)
-        if self.device.type == "cpu":
+        if _in_place(self.device):
             return self.host
+        out = self.back
+        if out is None:
+            out = self._bring_back()
+            if len(self.readers - {id(reader)}):  # others will read it: held (``read`` lets it go)
+                self.back = out
+        return out
+
+    def _bring_back(self) -> torch.Tensor:
+        """The bytes on the device: the prefetched buffer (handed out once), else copied now."""
         ahead = self.prefetched
-        if ahead:  # brought back ahead: handed out once, then let go
+        if ahead:
             self.prefetched = False
             out, done = ahead
             main = torch.cuda.current_stream(self.device)
@@ -246,9 +285,9 @@ class HostCopy:
                 return out.copy_(self.host, non_blocking=True)
             return self.host.to(self.device)
 
-    def fetch(self, meta) -> torch.Tensor:
-        """The saved tensor (laid out as ``meta``) back on its device."""
-        flat = self.source()
+    def fetch(self, meta, reader=None) -> torch.Tensor:
+        """The saved tensor (laid out as ``meta``) back on its device, for ``reader``."""
+        flat = self.source(reader)
         with torch.no_grad():
             return torch.empty(0, dtype=meta.dtype, device=self.device).set_(
                 flat.untyped_storage(), meta.offset, meta.size, meta.stride

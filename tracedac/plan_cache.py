@@ -106,6 +106,7 @@ class Planning:
         self.offload = entry[3] if entry is not None else frozenset()  # what the plan offloads
         self.signatures: dict[int, tuple] = {}
         self.undecided: set[int] = set()  # nodes recorded with no plan: the region's end decides
+        self.from_plan: dict = {}  # node index -> what the cached plan decided (keep or offload)
         self.planned_now = False
 
     def decide(self, node: Node, d: CheckpointPolicy) -> bool:
@@ -121,10 +122,11 @@ class Planning:
             if node.index < len(sigs) and sigs[node.index] == sig:
                 produced = [node.outputs[k].group for k in node.creates] + list(node.writes)
                 if any(g in self.keep for g in produced):
-                    node.decision = self.kept_decision
+                    node.decision = self.from_plan[node.index] = self.kept_decision
                     return self.planner.holds_unsaved
                 if any(g in self.offload for g in produced):
-                    node.decision = PREFER_CPU_OFFLOAD  # copied to the host when held or saved
+                    # copied to the host when held or saved
+                    node.decision = self.from_plan[node.index] = PREFER_CPU_OFFLOAD
                     return self.planner.holds_unsaved
                 node.decision = PREFER_RECOMPUTE
                 return False
@@ -150,7 +152,14 @@ class Planning:
         kept_slots = [s for s in region.kept if not s.exact]
         wanted = region_values(graph, graph.slots()) | region_values(graph, kept_slots)
         kept_slots = [s for s in kept_slots if s.host is None]  # offloaded: not the planner's
-        context = (frozenset(wanted), tuple(must_decisions(graph).items()))
+        # The policy's own MUST and offload decisions, not the offloads the cached plan made
+        # while recording (a label given after the op may still make one a MUST): counted as
+        # the policy's, they made every cached plan of a planner that offloads (memory_budget(...,
+        # offload=...), offload_kept) look stale, and the plan made again took its own offloads
+        # as given, so from the next step on nothing was offloaded and those values were replayed.
+        ours = self.from_plan
+        fixed = tuple((i, d) for i, d in must_decisions(graph).items() if ours.get(i) is not d)
+        context = (frozenset(wanted), fixed)
         cached = self.cached
         if (
             cached is not None

@@ -108,12 +108,16 @@ class Slot:
         self.exact = exact
         self.value = None
         self.host = host
+        if host is not None:
+            host.hold(self)
         if tensor is None and host is None:
             graph.add_slot(self)  # kept (and offloaded) handles join a pass only when they change
 
     def release(self) -> None:
         """Stop holding the tensor (or its host copy): from now on the value is rebuilt (a
         planner dropped it, or the copy is not of the state saved)."""
+        if self.host is not None:
+            self.host.read(self)
         self.tensor = None
         self.host = None
         self.version = -1
@@ -122,6 +126,7 @@ class Slot:
     def offload(self, host) -> None:
         """Hold ``host``, a copy of the kept tensor, instead of the tensor."""
         host.watch(self.tensor)
+        host.hold(self)
         self.host = host
         self.tensor = None
         self.version = -1
@@ -144,7 +149,9 @@ class Slot:
         host = self.host
         if host is not None and host.serves(self.meta):
             with unrecorded():
-                return host.fetch(self.meta)
+                t = host.fetch(self.meta, self)
+            host.read(self)  # (the others holding the copy read the same bytes back)
+            return t
         graph = self.graph
         with graph.lock:
             if self.value is None:
