@@ -101,36 +101,21 @@ def equal_to_eager(rank, world, cases, backend=BACKEND):
 
 
 class Graphs:
-    """``aot_eager_decomp_partition`` (the min-cut partition, inductor's decompositions,
-    effect tokens unlifted), keeping the forward and backward graphs it is handed."""
+    """``aot_eager_decomp_partition`` (``tracedac.compile.report.partition_backend``), keeping
+    the forward and backward graphs of each compile."""
 
     def __init__(self):
-        import torch._functorch.config as functorch_config
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-        from torch._inductor.compile_fx import select_decomp_table
+        from tracedac.compile.report import partition_backend
 
-        self.forward, self.backward = [], []
+        self.backend, self._made = partition_backend()
 
-        def keep(into):
-            def compiler(gm, example_inputs):
-                into.append(gm)
-                return torch._functorch.aot_autograd.make_boxed_func(gm.forward)
+    @property
+    def forward(self) -> list:
+        return [p.fw for p in self._made]
 
-            return compiler
-
-        aot = aot_autograd(
-            fw_compiler=keep(self.forward),
-            bw_compiler=keep(self.backward),
-            partition_fn=min_cut_rematerialization_partition,
-            decompositions=select_decomp_table(),
-        )
-
-        def backend(gm, example_inputs):
-            with functorch_config.patch(unlift_effect_tokens=True):  # as aot_eager_decomp_partition
-                return aot(gm, example_inputs)
-
-        self.backend = backend
+    @property
+    def backward(self) -> list:
+        return [p.bw for p in self._made]
 
 
 def _count(gms, op) -> int:

@@ -21,7 +21,7 @@ from .fx_graph import _int, build
 from .names import input_name, module_path
 from .vocab import DECISION, LABELS, SPECS, region_key
 
-__all__ = ["Partition", "compiled_target", "partition", "report"]
+__all__ = ["Partition", "compiled_target", "partition", "partition_backend", "report"]
 
 
 def compiled_target(fn):
@@ -79,10 +79,12 @@ def _nbytes(n) -> int:
     )
 
 
-def partitioned(fn):
-    """``fn`` compiled (fullgraph) the way inductor partitions it, with no code generated, and
-    the list that each compile appends its ``Partition`` to: call it, and run its backward,
-    as the model would be (``partition`` runs the forward once and returns the list)."""
+def partition_backend():
+    """A ``torch.compile`` backend that partitions each graph as inductor does
+    (``aot_eager_decomp_partition``: inductor's decompositions and min-cut partition, effect
+    tokens unlifted) and generates no code, and the list each compile appends its ``Partition``
+    to."""
+    import torch._functorch.config as functorch_config
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -96,8 +98,6 @@ def partitioned(fn):
         made.append(Partition(fw, bw, sources))
         return fw, bw
 
-    import torch._functorch.config as functorch_config
-
     aot = aot_autograd(
         fw_compiler=boxed_nop,
         bw_compiler=boxed_nop,
@@ -107,8 +107,19 @@ def partitioned(fn):
 
     def backend(gm, example_inputs):
         sources[:] = graph_input_sources(gm)
-        return aot(gm, example_inputs)
+        with functorch_config.patch(unlift_effect_tokens=True):
+            return aot(gm, example_inputs)
 
+    return backend, made
+
+
+def partitioned(fn):
+    """``fn`` compiled (fullgraph) the way inductor partitions it, with no code generated, and
+    the list that each compile appends its ``Partition`` to: call it, and run its backward,
+    as the model would be (``partition`` runs the forward once and returns the list)."""
+    import torch._functorch.config as functorch_config
+
+    backend, made = partition_backend()
     # (a new backend for the same code: dynamo compiles it again, beside the caller's own)
     compiled = torch.compile(fn, backend=backend, fullgraph=True)
 
