@@ -246,6 +246,53 @@ def test_torchtitan_order_checkpoint_each_block_then_compile_each_block():
     assert [blk.calls for blk in m] == [1, 1, 1]
 
 
+def _graphs_per_block(m) -> int:
+    """Dynamo graphs made compiling each block of ``m`` on its own (``module.compile``) for a step."""
+    from torch._dynamo.utils import counters
+
+    for b in m:
+        b.compile(backend=BACKEND, fullgraph=True)
+    counters.clear()
+    step(m, X.clone().requires_grad_())  # (an input that needs no gradient: a graph of its own)
+    return counters["stats"]["unique_graphs"]
+
+
+class Plain(nn.Module):
+    """A block torch's checkpoint compiles (no side effect in it)."""
+
+    def __init__(self, d=16, h=32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_blocks_wrapped_by_name_and_compiled_one_by_one_compile_once_as_torchs_checkpoint_does(reference):
+    """``wrap`` names each region by its path ("0", "1", "2"); compiled block by block, the
+    blocks still share one graph, as with torch's checkpoint (the name was guarded, and each
+    block compiled again: minutes of a first step for a model of many layers)."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    class TorchCheckpointed(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return torch_checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    plain = [Plain() for _ in range(3)]
+    assert _graphs_per_block(nn.Sequential(*[TorchCheckpointed(b) for b in plain])) == 1
+    ours = tracedac.wrap(nn.Sequential(*[Plain() for _ in range(3)]), Plain, policy=policies.save_matmuls())
+    assert _graphs_per_block(ours) == 1
+    m = model(policies.save_matmuls())  # side effects in the blocks: once each, eager's gradients
+    assert _graphs_per_block(m) == 1
+    assert [blk.calls for blk in m] == [1, 1, 1]
+    for a, b in zip(reference[0], [p.grad for p in m.parameters()], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_decorator_and_checkpoint_call_compile_fullgraph():
     w = torch.randn(16, 16, requires_grad=True)
 

@@ -104,7 +104,9 @@ def _traced_forward(module: nn.Module, inner, *args, **kwargs):
     hooks = getattr(module, "_tracedac", None)
     forward = inner if inner is not None else class_forward(module)
     if hooks is not None and tracing(args, kwargs) and torch.is_grad_enabled():
-        return traced_region(forward, args, kwargs, hooks.policy, hooks.name)
+        # Named by its class, not its qualified name ("layers.3"), which dynamo would guard
+        # on: each layer of a model compiled layer by layer (torchtitan's way) compiled again.
+        return traced_region(forward, args, kwargs, hooks.policy, type(module).__name__)
     return forward(*args, **kwargs)
 
 
