@@ -175,7 +175,8 @@ def resolve(policy, node, constant=None) -> CheckpointPolicy:
     op = node.op
     if id(op) in RECOMPUTE_OPS:
         return d if d is MUST_SAVE else MUST_RECOMPUTE  # a ZeRO-3 gather: only MUST_SAVE keeps it
-    why = effect(op)
+    known = _EFFECTS.get(id(op))  # effect(op), inline after the op's first sight: once per op
+    why = known[1] if known is not None else effect(op)
     if why is None:
         return d
     if op.namespace in FUNCTIONAL_NAMESPACES and replays_collectives(policy):

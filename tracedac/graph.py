@@ -165,11 +165,12 @@ class Node:
     def tensor_args(self) -> tuple:
         """The TensorMeta of every tensor argument, lists included, in order."""
         metas = []
-        for a in (*self.args, *self.kwargs.values()):
+        # (most nodes have no keyword arguments: no tuple of both made for them)
+        for a in (*self.args, *self.kwargs.values()) if self.kwargs else self.args:
             if isinstance(a, TensorMeta):
                 metas.append(a)
             elif isinstance(a, (list, tuple)):
-                metas.extend(x for x in a if isinstance(x, TensorMeta))
+                metas.extend([x for x in a if isinstance(x, TensorMeta)])
         return tuple(metas)
 
     @property

@@ -140,13 +140,14 @@ class Region:
     # -- recording --
     def decide(self, node) -> bool:
         """Decide ``node`` (``node.decision``); whether to hold its result until the region ends."""
-        d = resolve(self.policy, node, self.constant)
-        if is_offload(d):
+        d = resolve(self.graph.policy, node, self.constant)
+        offload = is_offload(d)
+        if offload:
             self.offloads = True
         if self.planning is not None:
             return self.planning.decide(node, d)
         node.decision = d
-        return is_save(d) or is_offload(d)
+        return offload or is_save(d)
 
     def hold(self, group, tensor) -> None:
         """Keep ``tensor`` (the program's own) for ``group`` until ``alias`` replaces it; or,
@@ -177,7 +178,8 @@ class Region:
         return handle
 
     def _pack(self, t: torch.Tensor):
-        if is_subclass(t):  # a DTensor (say): its inner tensors' handles (``subclasses.py``)
+        # a DTensor (say): its inner tensors' handles (``subclasses.py``); a plain tensor is none
+        if type(t) is not torch.Tensor and is_subclass(t):
             return saved(t, self._pack)
         # Autograd saves an op's inputs before the op reaches the tracer: an input seen for
         # the first time has no group yet.
@@ -314,8 +316,12 @@ class Region:
     def _release(self, p, kept_groups: set) -> None:
         """Drop every source, generator state and record the plan ``p`` does not use."""
         graph = self.graph
+        starts = p.starts
         for g in graph.groups:
-            kind = p.starts.get(g.id, _UNUSED)[0]
+            kind = starts.get(g.id, _UNUSED)[0]
+            if kind is None or kind == "create":  # (most groups) no source at all
+                g.external = g.snapshot = g.held = g.outer = g.host = None
+                continue
             if kind != "external":
                 g.external = None
             if kind != "snapshot":

@@ -146,6 +146,9 @@ class Plan:
         )
 
 
+_CREATE = ("create", 0)
+
+
 def plan(graph: RegionGraph, wanted) -> Plan:
     """What to run to produce every (group id, state) in ``wanted``."""
     stale = None  # a kept storage the program modified since, if planning had to go around one
@@ -157,6 +160,14 @@ def plan(graph: RegionGraph, wanted) -> Plan:
 
     def start_of(g: Group, lowest: int) -> tuple:
         nonlocal stale
+        if (
+            g.creator is not None
+            and g.held is None
+            and g.external is None
+            and g.outer is None
+            and g.host is None
+        ):
+            return _CREATE  # only its creator to start from (most groups): what the checks below return
         kind = _live(graph, g) if lowest == len(g.mutations) else None
         if kind is not None:
             return (kind, lowest)
@@ -171,13 +182,16 @@ def plan(graph: RegionGraph, wanted) -> Plan:
         return ("create", 0)
 
     def visit(node) -> None:
-        if not node.replayable:
+        if node.args is None:  # (not node.replayable, inline: once per node)
             refuse(_Forgotten(node))
-        why = effect(node.op)
         # kept by every policy (decisions.effect), unless replay_collectives let the policy
-        # replay it (collectives.py): reached only around the kept value
-        if why is not None and node.decision is not MUST_RECOMPUTE and node.decision is not PREFER_RECOMPUTE:
-            refuse(_EffectReplayed(graph, node, why))
+        # replay it (collectives.py): reached only around the kept value. (The decision is
+        # read first: a node decided to replay is allowed whatever its op.)
+        d = node.decision
+        if d is not MUST_RECOMPUTE and d is not PREFER_RECOMPUTE:
+            why = effect(node.op)
+            if why is not None:
+                refuse(_EffectReplayed(graph, node, why))
 
     starts, chosen, reads = walk(graph, wanted, start_of, visit)
     return Plan(starts, chosen, frozenset(wanted), reads)

@@ -241,7 +241,8 @@ class TracerMode(TorchDispatchMode):
             return recent[1]
         return self._new_meta(t, self.group_of(t) or self.external(t))
 
-    def _new_meta(self, t: torch.Tensor, g: Group) -> TensorMeta:
+    def _new_meta(self, t: torch.Tensor, g: Group, new: bool = False) -> TensorMeta:
+        """``t``'s meta; ``new``: ``g`` was just made, so no meta of it exists yet."""
         # One meta per distinct tensor seen: the graph and the handles share it (the same
         # weight view read by several ops, an activation read again after other ops).
         size, stride, state, dtype, offset = (
@@ -252,7 +253,7 @@ class TracerMode(TorchDispatchMode):
             t.storage_offset(),
         )
         key = (g.id, state, dtype, size, stride, offset)
-        m = self.metas.get(key)
+        m = None if new else self.metas.get(key)
         if m is None:
             shapes = self.shapes
             m = self.metas[key] = TensorMeta(
@@ -329,7 +330,21 @@ class TracerMode(TorchDispatchMode):
             check_replayable(args[0])
             margs = (Layout(args[0]), *[self._arg(a) for a in args[1:]])
         else:
-            margs = tuple([self._arg(a) for a in args])
+            # _arg and _meta inline (the recorder's hottest loop): a cached meta for the last
+            # op's results and what was packed since, else a new one
+            recent = self.recent
+            margs = []
+            for a in args:
+                if isinstance(a, _Tensor):
+                    r = recent.get(id(a))
+                    if r is not None and r[0] is a and r[1].state == len(r[2].mutations):
+                        a = r[1]
+                    else:
+                        a = self._new_meta(a, self.group_of(a) or self.external(a))
+                elif a.__class__ in _SEQUENCES:
+                    a = self._map(a)
+                margs.append(a)
+            margs = tuple(margs)
         mkwargs = {k: self._arg(v) for k, v in kwargs.items()} if kwargs else _NO_KWARGS
         writes = info.writes if info.hidden is None else info.writes + writes_now(info.hidden, args, kwargs)
         written = self._writes(writes, info.rebinds, args, kwargs) if writes or info.rebinds else ()
@@ -403,7 +418,7 @@ class TracerMode(TorchDispatchMode):
                 self._saw_write(node)
             self._packed = []
         if len(flat) == 1 and created:
-            node.outputs = (self._new_meta(out, created[0][1]),)  # its group is the one just made
+            node.outputs = (self._new_meta(out, created[0][1], new=True),)  # its group: just made
         else:
             node.outputs = tuple([self._meta(o) if isinstance(o, _Tensor) else None for o in flat])
         graph.nodes.append(node)
