@@ -169,8 +169,25 @@ VARIANTS = (
     ),
     Variant(
         "tracedac_offload_all",
-        "tracedac offload_kept(save_all) (everything offloaded)",
+        "tracedac offload_kept(save_all) (every result offloaded, layer inputs kept)",
         _tracedac(policies.offload_kept(policies.save_all())),
+    ),
+    Variant(
+        "tracedac_offload_everything",
+        "tracedac offload_inputs(offload_kept(save_all)) (everything offloaded)",
+        _tracedac(policies.offload_inputs(policies.offload_kept(policies.save_all()))),
+    ),
+    # layer inputs to the host, everything else replayed: transformers' offload=True
+    Variant(
+        "torch_ckpt_save_on_cpu",
+        "torch checkpoint in save_on_cpu (layer inputs offloaded)",
+        _torch(),
+        context=_save_on_cpu,
+    ),
+    Variant(
+        "tracedac_offload_inputs",
+        "tracedac offload_inputs() (layer inputs offloaded)",
+        _tracedac(policies.offload_inputs()),
     ),
     Variant(
         "tracedac_budget_offload",

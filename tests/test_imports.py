@@ -35,7 +35,7 @@ LAYERS = (
     ("replay_compiled", "replay_plan", "replay"),
     ("min_cut", "offload_plan"),
     ("planners",),
-    ("plan_cache",),
+    ("plan_cache", "wrappers"),
     ("collectives", "policies"),
     ("selective",),
     ("compile",),

@@ -471,36 +471,48 @@ def test_hugging_faces_offload_true_makes_a_planner_offload_and_any_other_policy
     link (``memory_budget(b, offload=True)``, inside ``either`` too); a policy that is no planner
     has what it keeps offloaded, as transformers' ``save_on_cpu`` moves what torch saves."""
     mb = policies.memory_budget(0.3)
-    assert hf._offloading(mb) == policies.memory_budget(0.3, offload=True)
-    assert hf._offloading(policies.memory_budget(0.3, cost="time")) == policies.memory_budget(
-        0.3, cost="time", offload=True
+    inputs = policies.offload_inputs  # each layer's input goes to the host too, whatever the policy
+    assert hf._offloading(mb) == inputs(policies.memory_budget(0.3, offload=True))
+    assert hf._offloading(policies.memory_budget(0.3, cost="time")) == inputs(
+        policies.memory_budget(0.3, cost="time", offload=True)
     )
     named = policies.either(policies.save_names("x"), policies.min_cut())
-    assert hf._offloading(named) == policies.either(policies.save_names("x"), policies.min_cut(offload=True))
+    assert hf._offloading(named) == inputs(
+        policies.either(policies.save_names("x"), policies.min_cut(offload=True))
+    )
     given = policies.memory_budget(0.3, offload=FAST)
-    assert hf._offloading(given) is given, "a link the user gave is kept"
-    assert hf._offloading(policies.save_matmuls()) == policies.offload_kept(policies.save_matmuls())
-    assert hf._offloading(policies.offload_kept(mb)) == policies.offload_kept(mb)
+    assert hf._offloading(given) == inputs(given), "a link the user gave is kept"
+    assert hf._offloading(given).policy is given
+    assert hf._offloading(policies.save_matmuls()) == inputs(policies.offload_kept(policies.save_matmuls()))
+    assert hf._offloading(policies.offload_kept(mb)) == inputs(policies.offload_kept(mb))
 
 
 # --- composed: tracedac.zero, MoE side effects --------------------------------------------
 
 
-def test_zero_sharded_blocks_planned_to_offload_train_with_the_gradients_of_no_checkpointing(world1):
+def _inputs_offloaded(report) -> bool:
+    return any(row.kind == "offloaded" and row.op == "input" for row in report.rows)
+
+
+@pytest.mark.parametrize("inputs", [False, True], ids=["", "offload_inputs"])
+def test_zero_sharded_blocks_planned_to_offload_train_with_the_gradients_of_no_checkpointing(world1, inputs):
     """Each sharded block a region under memory_budget(b, offload=...): its gathered weights are
     gathered again (never offloaded: the gather is MUST_RECOMPUTE), its activations kept,
     offloaded or replayed; the gradients are those of the sharded model without checkpointing
     and of the unsharded one, bitwise, and each block's side effect (its call counter, as an
-    MoE router's) runs once a step."""
+    MoE router's) runs once a step. With ``offload_inputs`` the blocks' inputs go too (the
+    gathered weights, a rebuilder's, never do)."""
     import tracedac.zero as zero
 
     from .zero import workers as w
 
     policy = policies.memory_budget(0.1, offload=FAST)
+    policy = policies.offload_inputs(policy) if inputs else policy
     plain, ref = zero.shard(w.model()), w.model()
     ck = tracedac.wrap(zero.shard(w.model()), w.Block, policy=policy)
     r = tracedac.saved_report(ck, w.data(0)[0])
     assert r.offloaded_bytes > 0 and r.kept_bytes > 0
+    assert _inputs_offloaded(r) == inputs
     for b in ck.blocks:
         b.calls.zero_()
     for step in range(2):
@@ -513,7 +525,8 @@ def test_zero_sharded_blocks_planned_to_offload_train_with_the_gradients_of_no_c
     assert [b.calls.item() for b in ck.blocks] == [2, 2, 2]
 
 
-def test_moe_blocks_planned_to_offload_count_each_token_once_and_train_as_eager(world1):
+@pytest.mark.parametrize("inputs", [False, True], ids=["", "offload_inputs"])
+def test_moe_blocks_planned_to_offload_count_each_token_once_and_train_as_eager(world1, inputs):
     """The MoE case (tests/zero/moe_workers.py): each block counts its tokens per expert in the
     forward (a buffer written in the region) and the bias moves after each step. Sharded, each
     block under memory_budget(b, offload=...): losses, counts and bias step by step equal the
@@ -526,16 +539,18 @@ def test_moe_blocks_planned_to_offload_count_each_token_once_and_train_as_eager(
     oracle, model = mw.Model(), mw.Model()
     model.load_state_dict(oracle.state_dict())
     want = mw._train(oracle, oracle, 0, 1, lambda t: t)
+    policy = policies.memory_budget(0.3, offload=Link(1e12, 1e9))
     for b in model.blocks:
-        tracedac.checkpoint(b, policy=policies.memory_budget(0.3, offload=Link(1e12, 1e9)))
+        tracedac.checkpoint(b, policy=policies.offload_inputs(policy) if inputs else policy)
     zero.shard(model)
     got = mw._train(model, model, 0, 1, lambda t: t)
     for (loss, counts, bias), (got_loss, got_counts, got_bias) in zip(want, got, strict=True):
         assert abs(loss - got_loss) < 1e-6
         assert all(torch.equal(a, b) for a, b in zip(counts, got_counts, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(bias, got_bias, strict=True))
-    r = tracedac.saved_report(model, torch.randn(16, mw.D))
+    r = tracedac.saved_report(model, torch.randn(16, mw.D, requires_grad=True) * 1.0)
     assert r.offloaded_bytes > 0
+    assert _inputs_offloaded(r) == inputs
 
 
 @pytest.mark.gpu

@@ -70,7 +70,8 @@ SUITE=$!
 
 EAGER=none,torch,torch_sac,tracedac_recompute_all,tracedac_compiled_replay,tracedac_save_matmuls,\
 tracedac_save_matmuls_cr,tracedac_budget,tracedac_budget_cr,save_on_cpu,torch_sac_offload,\
-tracedac_offload_matmuls,tracedac_offload_all,tracedac_budget_offload,tracedac_tight,tracedac_tight_offload
+tracedac_offload_matmuls,tracedac_offload_all,tracedac_offload_everything,torch_ckpt_save_on_cpu,\
+tracedac_offload_inputs,tracedac_budget_offload,tracedac_tight,tracedac_tight_offload
 stage llama 100 python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 --only "$EAGER" --json "$W/llama.json"
 # Compiled, each layer its own graph (torchtitan's way): the 8 layers, one graph for all
 # of them (tracedac regions compile once, like torch's checkpoint, since 841eba6 named them by class),

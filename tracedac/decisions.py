@@ -256,3 +256,21 @@ class Held:
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)  # (a frozen dataclass's fields: no __setattr__)
         hold(self)
+
+
+def check_policy(policy) -> None:
+    """Raise if ``policy`` cannot be a policy; nothing else (``hold`` registers one)."""
+    if not callable(policy):
+        raise TypeError(
+            f"a policy is a callable taking a recorded node and returning a "
+            f"torch.utils.checkpoint.CheckpointPolicy (e.g. tracedac.policies.save_matmuls()), "
+            f"got {policy!r} of type {type(policy).__name__}"
+        )
+
+
+def describe_policy(policy) -> str:
+    """How a person wrote the policy: ``save_matmuls()`` (tracedac's policies print as the call
+    that made them), or a function's name."""
+    if isinstance(policy, Held):
+        return repr(policy)
+    return getattr(policy, "__qualname__", None) or repr(policy)

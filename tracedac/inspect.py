@@ -65,6 +65,7 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
         )
 
     def offloaded(copy, meta, node, why):
+        """A host copy's row; ``node`` None: of an input (``offload_inputs``)."""
         key = ("host", id(copy))
         if key in seen:
             return
@@ -74,20 +75,25 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
             SavedRow(
                 graph.name,
                 "offloaded",
-                node.name,
+                node.name if node is not None else "input",
                 shape,
                 dtype,
                 copy.nbytes,
-                node.source,
-                node.module_path,
-                ", ".join(sorted(node.labels)),
+                node.source if node is not None else None,
+                node.module_path if node is not None else None,
+                ", ".join(sorted(node.labels)) if node is not None else "",
                 f"{why}; in host memory until backward",
             )
         )
 
+    def input_offloaded(h):
+        offloaded(h.host, h.meta, None, f"an input autograd saved, offloaded by {policy}")
+
     replay = [h for h in region.handles if h.tensor is None and h.host is None]
     for h in region.handles:
-        if h.exact:
+        if h.exact and h.host is not None:
+            input_offloaded(h)
+        elif h.exact:
             add(h.tensor, "input", None, f"{graph.namer(h.tensor)}: autograd saved it")
         elif h.tensor is not None:
             g = graph.groups[h.meta.group]
@@ -97,7 +103,10 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
             node = graph.groups[h.meta.group].node
             offloaded(h.host, h.meta, node, _why(policy, planner, node))
     for g in graph.groups:
-        if g.host is not None:
+        if g.host is not None and g.node is None:  # an input offloaded (``offload_inputs``)
+            meta = next((s.meta for s in region.handles if s.host is g.host), None)
+            offloaded(g.host, meta, None, f"an input offloaded by {policy}; replay reads it")
+        elif g.host is not None:
             node = g.node
             metas = (*node.outputs, *node.tensor_args)
             meta = next((m for m in metas if m is not None and m.group == g.id), None)

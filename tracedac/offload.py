@@ -56,7 +56,7 @@ import torch
 
 from .decisions import is_offload
 
-__all__ = ["HostCopy", "host_copy", "prefetch_regions", "settle"]
+__all__ = ["HostCopy", "host_copy", "offloads_inputs", "prefetch_regions", "settle"]
 
 _streams: dict = {}
 _lock = threading.Lock()
@@ -308,17 +308,39 @@ def host_copy(group, t: torch.Tensor) -> HostCopy:
     return h
 
 
-def settle(groups, kept: list) -> list:
+def offloads_inputs(policy) -> bool:
+    """Whether ``policy``, or one it wraps, is ``policies.offload_inputs``."""
+    if getattr(policy, "offloads_inputs", False) is True:
+        return True
+    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
+    return any(p is not None and p is not policy and offloads_inputs(p) for p in inner)
+
+
+def settle(groups, kept: list, inputs: bool = False) -> list:
     """At a region's end: move to host what the policy offloads but the region held on the
     device (a result kept before ``tracedac.name`` labelled it for ``offload_names``, or what a
-    plan made at the region's end keeps under ``offload_kept``); let go of the copies that are
-    not of the state a handle saved (an op that wrote its own saved input without bumping the
-    version counter: the handle wants the state after the write, which replay rebuilds); then
-    start watching for writes. Returns the handles still holding something (of ``kept``)."""
+    plan made at the region's end keeps under ``offload_kept``), and with ``inputs`` the inputs
+    autograd saved that an op with a gradient made (``policies.offload_inputs``; replay then
+    starts from the copy too; an input an enclosing region or a ``REBUILDERS`` owner rebuilds
+    is that one's handle, not kept here); let go of the copies that are not of the state a
+    handle saved (an op that wrote its own saved input without bumping the version counter: the
+    handle wants the state after the write, which replay rebuilds); then start watching for
+    writes. Returns the
+    handles still holding something (of ``kept``)."""
     for g in groups:
         if g.held is not None and g.node is not None and is_offload(g.node.decision):
             host_copy(g, g.held).watch(g.held)
             g.held = None
+    if inputs:
+        for slot in kept:
+            t = slot.tensor
+            if not slot.exact or t is None:
+                continue
+            g = groups[slot.meta.group]
+            # (a second handle on an input already copied: g.external is gone, g.host is its copy)
+            if not g.mutations and (g.host is not None or (g.external is t and t.grad_fn is not None)):
+                slot.offload(host_copy(g, t))
+                g.external = None  # replay starts from the copy (``replay_plan``'s "host")
     for slot in kept:
         if slot.exact:
             continue

@@ -14,7 +14,8 @@ planners, ``memory_budget`` and ``min_cut``, decide for the region's whole graph
 Besides keeping and replaying, a result may be offloaded (``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD``):
 copied to host memory in the forward, brought back in backward (``tracedac.offload``).
 ``offload_ops`` and ``offload_names`` mirror ``save_ops`` and ``save_names``;
-``offload_kept(policy)`` offloads whatever ``policy`` (a planner too) would keep.
+``offload_kept(policy)`` offloads whatever ``policy`` (a planner too) would keep, and
+``offload_inputs(policy)`` also the region's inputs that autograd computed (a layer's input).
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ from .decisions import (  # noqa: F401 (re-exported: callers found them here fir
     PREFER_SAVE,
     RECOMPUTE_OPS,
     Held,
+    check_policy,
     decision,
+    describe_policy,
     is_save,
     recompute_by_default,
 )
 from .errors import CheckpointError
 from .link import Link
 from .planners import MemoryBudget, MinCut, Planner
+from .wrappers import OffloadInputs, OffloadKept
 
 # decision, is_save, RECOMPUTE_OPS and recompute_by_default live in .decisions (a leaf
 # module); they are re-exported here, where callers found them first.
@@ -53,6 +57,7 @@ __all__ = [
     "either",
     "memory_budget",
     "min_cut",
+    "offload_inputs",
     "offload_kept",
     "offload_names",
     "offload_ops",
@@ -154,34 +159,6 @@ class OffloadNames(Held):
 
     def __repr__(self) -> str:
         return f"offload_names({', '.join(repr(n) for n in sorted(self.names))})"
-
-
-_TO_HOST = {MUST_SAVE: MUST_CPU_OFFLOAD, PREFER_SAVE: PREFER_CPU_OFFLOAD}
-
-
-@dataclass(frozen=True)
-class OffloadKept(Held):
-    """Offload to host memory what ``policy`` would keep on the device: its SAVE decisions
-    become CPU_OFFLOAD ones, and a planner's choice is offloaded instead of kept."""
-
-    policy: object
-    offloads_kept = True  # read by the region's planning (plan_cache.Planning)
-
-    @property
-    def constant(self):
-        c = getattr(self.policy, "constant", None)
-        return _TO_HOST.get(c, c)
-
-    @property
-    def planner(self):
-        return self.policy if isinstance(self.policy, Planner) else getattr(self.policy, "planner", None)
-
-    def __call__(self, node) -> CheckpointPolicy:
-        d = decision(self.policy, node)
-        return _TO_HOST.get(d, d)
-
-    def __repr__(self) -> str:
-        return f"offload_kept({describe_policy(self.policy)})"
 
 
 _MUSTS = (MUST_SAVE, MUST_RECOMPUTE, MUST_CPU_OFFLOAD)
@@ -297,6 +274,22 @@ def offload_kept(policy) -> OffloadKept:
     return OffloadKept(policy)
 
 
+def offload_inputs(policy=None) -> OffloadInputs:
+    """Offload to host memory, at the region's end, the region's inputs autograd computed and
+    saved (a decoder layer's input: ``layers x tokens x hidden`` bytes, what dominates memory at
+    long sequence lengths under full recompute), as well as whatever ``policy`` offloads
+    (default ``recompute_all()``: replay everything else, as Hugging Face's ``offload=True``
+    does with torch's checkpoint and ``save_on_cpu``). An input that another region passes on,
+    or that an enclosing region can replay, is left to it; a tensor handed to several regions
+    is copied by each."""
+    if policy is None:
+        policy = recompute_all()
+    check_policy(policy)
+    if isinstance(policy, OffloadInputs):
+        return policy
+    return OffloadInputs(policy)
+
+
 def either(*policies) -> Either:
     """Keep what any of ``policies`` keeps, e.g. ``either(save_matmuls(), save_names('x'))``."""
     if not policies:
@@ -304,6 +297,12 @@ def either(*policies) -> Either:
     flat = []
     for p in policies:
         check_policy(p)
+        if isinstance(p, OffloadInputs):
+            raise ValueError(
+                f"either() got {p!r}: offload_inputs() moves the region's inputs, not an op's result, "
+                "and applies to the region's whole policy. Put either() inside instead: "
+                "offload_inputs(either(...))."
+            )
         if isinstance(p, OffloadKept) and p.planner is not None:
             raise ValueError(
                 f"either() got {p!r}: what a planner inside offload_kept() keeps is offloaded, and "
@@ -392,23 +391,3 @@ def _offload(factory: str, offload):
             f"device), False, or tracedac.policies.Link(bandwidth=..., flop_rate=...) with the figures."
         )
     return offload
-
-
-def check_policy(policy) -> None:
-    """Raise if ``policy`` cannot be a policy; nothing else (``decisions.hold`` registers one)."""
-    if not callable(policy):
-        raise TypeError(
-            f"a policy is a callable taking a recorded node and returning a "
-            f"torch.utils.checkpoint.CheckpointPolicy (e.g. tracedac.policies.save_matmuls()), "
-            f"got {policy!r} of type {type(policy).__name__}"
-        )
-
-
-def describe_policy(policy) -> str:
-    """How a person wrote the policy: ``save_matmuls()``, or a function's name."""
-    if isinstance(
-        policy,
-        (RecomputeAll, SaveAll, SaveOps, SaveNames, Either, Planner, OffloadOps, OffloadNames, OffloadKept),
-    ):
-        return repr(policy)
-    return getattr(policy, "__qualname__", None) or repr(policy)

@@ -24,7 +24,7 @@ from .errors import CheckpointError
 from .graph import RegionGraph
 from .location import track_modules
 from .naming import arg_refs, describe, module_table, registered_name
-from .offload import host_copy, settle
+from .offload import host_copy, offloads_inputs, settle
 from .plan_cache import Planning, computation, plan_key
 from .planners import planner_of
 from .replay import Slot
@@ -116,6 +116,7 @@ class Region:
         self.timing = False
         # whether anything may be offloaded (region exit then settles the host copies)
         self.offloads = getattr(policy, "offloads_kept", False)
+        self.offload_inputs = offloads_inputs(policy)  # inputs autograd computed leave at the end
         self.reads_values = _reads_values(policy)  # the recorder hands such a policy the op's values
         if planner is not None:
             key = None if self.report else plan_key(policy, code, module, args, kwargs)
@@ -123,6 +124,7 @@ class Region:
             # a planner made with offload= may move results to the host too
             self.offloads = self.offloads or getattr(planner, "offload", False) is not False
             self.timing = getattr(planner, "cost", None) == "time"
+        self.offloads = self.offloads or self.offload_inputs
         self.tracer = TracerMode(self.graph, self)
         # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
         # so nothing but the handles keeps the graph alive.
@@ -264,7 +266,8 @@ class Region:
         if self.planning is not None:
             self.planning.finish(self)  # decide what was left undecided, let go of the rest
         if self.offloads:
-            self.kept = settle(self.graph.groups, self.kept)  # what is offloaded leaves the device
+            # what is offloaded leaves the device (and the inputs, with offload_inputs)
+            self.kept = settle(self.graph.groups, self.kept, self.offload_inputs)
         module = weakref.ref(self.module) if self.module is not None else None
         graph.namer = functools.partial(describe, module, self.arg_refs, self.prefix)
         # From here a version counter that moves means a change the recorder did not see.

@@ -107,6 +107,12 @@ def changed_error(graph: RegionGraph, slot) -> CheckpointError:
 def _kept_changed_error(graph: RegionGraph, g: Group, now: int, then: int, offloaded=False):
     node = g.node
     kept = "offloaded to host for backward" if offloaded else "kept for backward"
+    if node is None:  # an input offloaded (``policies.offload_inputs``)
+        return CheckpointError(
+            f"an input of region {graph.name!r} that autograd saved, {kept}, was modified in place "
+            f"after the forward (version {now}, offloaded at {then}); its gradient would be computed "
+            "from the new value. Modify a copy, or make the change after backward."
+        )
     return CheckpointError(
         f"the result of {node.name} (node {node.index} of region {graph.name!r}), {kept}, "
         f"was modified in place after the forward (version {now}, {kept.split()[0]} at {then}), "

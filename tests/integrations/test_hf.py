@@ -215,20 +215,26 @@ def test_options_tracedac_would_not_honour_are_refused_and_point_to_the_document
 @pytest.mark.parametrize("policy", [policies.save_matmuls(), policies.save_all()])
 def test_offload_true_offloads_what_the_policy_keeps_with_the_same_gradients(policy):
     """transformers' ``offload=True`` (``save_on_cpu`` around torch's checkpoint) becomes
-    ``offload_kept(policy)`` for a policy that is no planner: what it would keep on the device
-    goes to host memory instead, the gradients unchanged bit for bit. A later call without it
-    keeps again."""
+    ``offload_inputs(offload_kept(policy))`` for a policy that is no planner: what it would keep
+    on the device goes to host memory instead, and so does each layer's input (what
+    transformers' own offload moves), the gradients unchanged bit for bit. A later call without
+    it keeps again."""
     model, inputs = build("llama"), batch()
     hf.enable(model, policy=policy)
     want = grads(model, inputs)
     kept = tracedac.saved_report(model, **inputs)
     model.activation_checkpointing_enable(offload=True)
-    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.offload_kept(policy)
+    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.offload_inputs(
+        policies.offload_kept(policy)
+    )
     assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), want, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), want, strict=True))  # (a cached plan)
     moved = tracedac.saved_report(model, **inputs)
+    layer_inputs = [r for r in kept.rows if r.kind == "input" and r.why.startswith("argument 0 ")]
+    assert len(layer_inputs) == len(model.model.layers)  # the hidden states each layer is called with
     assert kept.kept_bytes > 0 and moved.kept_bytes == 0
-    assert moved.offloaded_bytes == kept.kept_bytes
+    assert moved.offloaded_bytes == kept.kept_bytes + sum(r.bytes for r in layer_inputs)
+    assert not [r for r in moved.rows if r.kind == "input" and r.why.startswith("argument 0 ")]
     model.activation_checkpointing_enable()
     assert model.model.layers[0]._gradient_checkpointing_func.policy == policy
 
@@ -237,15 +243,15 @@ def test_offload_true_offloads_what_the_policy_keeps_with_the_same_gradients(pol
 def test_offload_true_makes_a_planner_choose_among_keep_offload_and_replay_itself():
     """With a planner, ``offload=True`` keeps the user's budget as the device's and lets the
     planner weigh offloading (the link measured): ``memory_budget(b, offload=True)``, also inside
-    ``either``; the gradients are unchanged bit for bit, and a later call without it plans as
-    before."""
+    ``either``, each layer's input offloaded; the gradients are unchanged bit for bit, and a
+    later call without it plans as before."""
     model, inputs = build("llama"), batch()
     budget = policies.memory_budget(0.3)
     hf.enable(model, policy=budget)
     want = grads(model, inputs)
     model.activation_checkpointing_enable(offload=True)
-    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.memory_budget(
-        0.3, offload=True
+    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.offload_inputs(
+        policies.memory_budget(0.3, offload=True)
     )
     assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), want, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(grads(model, inputs), want, strict=True))  # (a cached plan)
@@ -254,8 +260,8 @@ def test_offload_true_makes_a_planner_choose_among_keep_offload_and_replay_itsel
     named = policies.either(policies.save_names("attn_out"), policies.min_cut())
     hf.enable(model, policy=named)
     model.activation_checkpointing_enable(offload=True)
-    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.either(
-        policies.save_names("attn_out"), policies.min_cut(offload=True)
+    assert model.model.layers[0]._gradient_checkpointing_func.policy == policies.offload_inputs(
+        policies.either(policies.save_names("attn_out"), policies.min_cut(offload=True))
     )
 
 

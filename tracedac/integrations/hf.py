@@ -17,10 +17,9 @@ have nothing to do under tracedac, except ``context_fn``. ``offload=True`` (tran
 a planner (``memory_budget``, ``min_cut``, alone or in ``either``) is made with
 ``offload=True`` and itself chooses what to keep, offload or replay, by the link's measured
 speed; any other policy becomes ``policies.offload_kept(policy)``: what it keeps goes to host
-memory instead of staying on the device. What transformers offloads under torch's
-checkpoint, each layer's input, tracedac holds as eager does (region inputs are not
-offloaded), so under the default ``recompute_all()``, which keeps nothing computed in a
-layer, ``offload=True`` moves nothing.
+memory instead of staying on the device. Either way each layer's input goes to host memory too
+(``policies.offload_inputs``), which is what transformers offloads under torch's checkpoint: the
+``layers x tokens x hidden`` bytes its docstring promises to free.
 A ``context_fn`` made by torch's ``create_selective_checkpoint_contexts`` is read as the
 tracedac policy deciding the same (``tracedac.selective``), and checkpoints the layers for
 that call of ``activation_checkpointing_enable`` in place of ``enable``'s default policy. Any
@@ -45,7 +44,16 @@ from ..decisions import hold
 from ..errors import CheckpointError
 from ..naming import register_name, unregister_name
 from ..planners import MemoryBudget, MinCut
-from ..policies import Either, check_policy, either, memory_budget, min_cut, offload_kept, recompute_all
+from ..policies import (
+    Either,
+    check_policy,
+    either,
+    memory_budget,
+    min_cut,
+    offload_inputs,
+    offload_kept,
+    recompute_all,
+)
 from ..selective import is_noop_context_fn, read_context_fn
 
 __all__ = ["disable", "enable"]
@@ -202,11 +210,17 @@ class _Checkpointing:
 
 
 def _offloading(policy):
-    """What transformers' ``offload=True`` makes of ``policy``. A planner that can weigh an
-    offload against keeping and replaying is made to (``memory_budget(b, offload=True)``,
-    ``min_cut(offload=True)``, also inside ``either``): the user's budget stays the device's, and
-    the link's measured speed decides what goes to the host. Any other policy has what it keeps
-    offloaded (``offload_kept``), as ``save_on_cpu`` moves what torch's checkpoint saves."""
+    """What transformers' ``offload=True`` makes of ``policy``: each layer's input goes to host
+    memory (``offload_inputs``, what ``save_on_cpu`` moves of torch's checkpoint), and so does
+    what the policy would keep. A planner that can weigh an offload against keeping and
+    replaying is made to (``memory_budget(b, offload=True)``, ``min_cut(offload=True)``, also
+    inside ``either``): the user's budget stays the device's, and the link's measured speed
+    decides what goes to the host. Any other policy has what it keeps offloaded
+    (``offload_kept``), as ``save_on_cpu`` moves what torch's checkpoint saves."""
+    return offload_inputs(_offloading_kept(policy))
+
+
+def _offloading_kept(policy):
     planners = [p for p in getattr(policy, "policies", (policy,)) if isinstance(p, (MemoryBudget, MinCut))]
     if not planners or not isinstance(policy, (MemoryBudget, MinCut, Either)):
         return offload_kept(policy)

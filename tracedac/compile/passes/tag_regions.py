@@ -53,6 +53,7 @@ from ...decisions import (
 )
 from ...errors import CheckpointError
 from ...min_cut import min_cut_keep
+from ...offload import offloads_inputs
 from ...planners import MemoryBudget, closure, planner_of, problem
 from ..fx_graph import build
 from ..vocab import DECISION, LABELS, MARK, SPECS, backward_nodes, region_key
@@ -155,6 +156,8 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
             "one with no check that every rank does the same). Compile it with the policy inside "
             "replay_collectives(...), or run the region eagerly."
         )
+    if offloads_inputs(policy):
+        _refuse_offload(graph.name, policy, None, "its inputs (offload_inputs)")
     for node in graph.nodes:
         node.decision = resolve(policy, node)
         if is_offload(node.decision):
@@ -222,13 +225,14 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
             node.decision = PREFER_RECOMPUTE
 
 
-def _refuse_offload(name: str, policy, node) -> None:
+def _refuse_offload(name: str, policy, node, what: str | None = None) -> None:
     """torch's partitioner reads MUST_SAVE and the RECOMPUTE tags only: a CPU_OFFLOAD tag would
     be saved on the device as if kept (torch 2.13 offloads only behind a testing flag,
     ``torch._functorch.config.enable_activation_offloading``, and never by tag). Refused, so
     that no plan silently keeps on the device what was to leave it. ``node`` None: a planner
-    made with ``offload=``, refused whatever its plan would be."""
-    what = node.name if node is not None else "what its plan chooses to (a planner made with offload=)"
+    made with ``offload=``, refused whatever its plan would be (or ``what`` it offloads)."""
+    if what is None:
+        what = node.name if node is not None else "what its plan chooses to (a planner made with offload=)"
     raise CheckpointError(
         f"offload under torch.compile is not supported by torch {torch.__version__}'s partitioner; use "
         f"eager or a keep/replay policy (region {name!r}, policy {policy!r} asks to offload "
