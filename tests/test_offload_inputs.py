@@ -216,7 +216,7 @@ def test_on_cuda_the_layer_inputs_leave_the_device_and_the_gradients_are_exact()
     out = m2(x)
     torch.cuda.synchronize()
     torch.empty(1, device="cuda")  # the allocator frees blocks a finished side-stream copy read
-    offloaded = torch.cuda.memory_allocated() - base - 512
+    offloaded = torch.cuda.memory_allocated() - base
     assert offloaded <= kept - 3 * 256 * 16 * 4  # three layer inputs no longer on the device
     got = torch.autograd.grad(out.square().sum(), [x, *m2.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
