@@ -68,6 +68,22 @@ def held_inputs(m, x) -> list[bool]:
     return alive
 
 
+@pytest.fixture
+def copies(monkeypatch) -> list:
+    """The shape of every tensor a host copy is made of, in order."""
+    from tracedac import offload
+
+    made = []
+    init = offload.HostCopy.__init__
+
+    def count(copy, t, state):
+        init(copy, t, state)
+        made.append(tuple(t.shape))
+
+    monkeypatch.setattr(offload.HostCopy, "__init__", count)
+    return made
+
+
 POLICIES = {
     "offload_inputs()": policies.offload_inputs(),
     "offload_inputs(save_matmuls())": policies.offload_inputs(policies.save_matmuls()),
@@ -104,27 +120,15 @@ def test_after_the_forward_no_layer_input_the_program_let_go_is_held_on_the_devi
     assert held_inputs(stack(policy), X) == [True, False, False]
 
 
-def test_only_inputs_an_op_with_a_gradient_made_are_copied_and_print_saved_shows_them():
-    from tracedac import offload
-
-    made = []
-    init = offload.HostCopy.__init__
-
-    def count(copy, t, state):
-        init(copy, t, state)
-        made.append(tuple(t.shape))
-
+def test_only_inputs_an_op_with_a_gradient_made_are_copied_and_print_saved_shows_them(copies):
     w = torch.randn(16, 16, requires_grad=True)
     frozen = torch.randn(16, 16)
     x = torch.randn(8, 16, requires_grad=True)
     f = checkpoint(lambda h, w, c: (h @ w).sin() @ c, policy=policies.offload_inputs())
-    try:
-        offload.HostCopy.__init__ = count
-        h = x * 2  # made by an op: copied; x, w and the constant are leaves: left where they are
-        f(h, w, frozen).sum().backward()
-    finally:
-        offload.HostCopy.__init__ = init
-    assert made == [(8, 16)]
+    h = x * 2  # made by an op: copied; x, w and the constant are leaves: left where they are
+    f(h, w, frozen).sum().backward()
+    assert copies == [(8, 16)]
+    copies.clear()
     report = tracedac.saved_report(
         lambda h, w, c: (h @ w).sin() @ c, x * 2, w, frozen, policy=policies.offload_inputs()
     )
@@ -150,16 +154,7 @@ def test_an_offloaded_input_changed_after_the_forward_is_refused_as_a_kept_one_i
         assert "in place" in str(err.value), (what, str(err.value))
 
 
-def test_nested_an_input_the_enclosing_region_computed_is_its_handle_not_a_copy():
-    from tracedac import offload
-
-    made = []
-    init = offload.HostCopy.__init__
-
-    def count(copy, t, state):
-        init(copy, t, state)
-        made.append(tuple(t.shape))
-
+def test_nested_an_input_the_enclosing_region_computed_is_its_handle_not_a_copy(copies):
     w = torch.randn(16, 16, requires_grad=True)
     inner = checkpoint(lambda h: (h @ w).tanh(), policy=policies.offload_inputs())
 
@@ -167,12 +162,8 @@ def test_nested_an_input_the_enclosing_region_computed_is_its_handle_not_a_copy(
         return inner(x.sin() * 3).square().sum()
 
     x = torch.randn(4, 16, requires_grad=True)
-    try:
-        offload.HostCopy.__init__ = count
-        got = torch.autograd.grad(checkpoint(outer)(x * 1.0), [x, w])
-    finally:
-        offload.HostCopy.__init__ = init
-    assert made == []  # x.sin() * 3: the outer region replays it
+    got = torch.autograd.grad(checkpoint(outer)(x * 1.0), [x, w])
+    assert copies == []  # x.sin() * 3: the outer region replays it
     want = torch.autograd.grad(outer(x * 1.0), [x, w])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ._compat import process_group_named
-from .decisions import FUNCTIONAL_NAMESPACES, Held, decision, effect
+from .decisions import FUNCTIONAL_NAMESPACES, effect
 from .errors import CheckpointError
-from .planners import planner_of
 from .trace import unrecorded
+from .wrappers import Wrapper
 
 __all__ = ["ReplayCollectives", "check_agreement", "replay_collectives", "replayable"]
 
@@ -40,26 +40,11 @@ def replayable(op) -> bool:
 
 
 @dataclass(frozen=True)
-class ReplayCollectives(Held):
+class ReplayCollectives(Wrapper):
     """``policy``, allowed to replay the functional collectives it records (module docstring)."""
 
     policy: object
     replays_collectives = True  # read by decisions.resolve and the region's end
-
-    @property
-    def constant(self):
-        return getattr(self.policy, "constant", None)
-
-    @property
-    def planner(self):
-        return planner_of(self.policy)
-
-    @property
-    def offloads_kept(self):
-        return getattr(self.policy, "offloads_kept", False)
-
-    def __call__(self, node):
-        return decision(self.policy, node)
 
     def __repr__(self) -> str:
         return f"replay_collectives({self.policy!r})"

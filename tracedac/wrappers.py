@@ -1,7 +1,7 @@
-"""Policies that wrap a whole policy and change where what it keeps goes: ``offload_kept``
-(what it would keep goes to host memory instead) and ``offload_inputs`` (the region's inputs
-autograd computed go too). Made by the factories in ``policies.py``; here so that each module
-stays about one thing."""
+"""Policies that wrap a whole policy: ``offload_kept`` (what it would keep goes to host memory
+instead), ``offload_inputs`` (the region's inputs autograd computed go too), and
+``collectives.replay_collectives``, all on one base (``Wrapper``). Made by the factories in
+``policies.py``; here so that each module stays about one thing."""
 
 from __future__ import annotations
 
@@ -18,47 +18,17 @@ from .decisions import (
     decision,
     describe_policy,
 )
-from .planners import Planner, planner_of
+from .planners import planner_of
 
-__all__ = ["OffloadInputs", "OffloadKept"]
-
-_TO_HOST = {MUST_SAVE: MUST_CPU_OFFLOAD, PREFER_SAVE: PREFER_CPU_OFFLOAD}
+__all__ = ["OffloadInputs", "OffloadKept", "Wrapper"]
 
 
-@dataclass(frozen=True)
-class OffloadKept(Held):
-    """Offload to host memory what ``policy`` would keep on the device: its SAVE decisions
-    become CPU_OFFLOAD ones, and a planner's choice is offloaded instead of kept."""
+class Wrapper(Held):
+    """A policy around ``self.policy`` (a dataclass field of the subclass): it decides as that
+    one unless the subclass says otherwise, and answers for it what a region asks of its policy
+    (its constant decision, its planner, whether it offloads what it keeps)."""
 
     policy: object
-    offloads_kept = True  # read by the region's planning (plan_cache.Planning)
-
-    @property
-    def constant(self):
-        c = getattr(self.policy, "constant", None)
-        return _TO_HOST.get(c, c)
-
-    @property
-    def planner(self):
-        return self.policy if isinstance(self.policy, Planner) else getattr(self.policy, "planner", None)
-
-    def __call__(self, node) -> CheckpointPolicy:
-        d = decision(self.policy, node)
-        return _TO_HOST.get(d, d)
-
-    def __repr__(self) -> str:
-        return f"offload_kept({describe_policy(self.policy)})"
-
-
-@dataclass(frozen=True)
-class OffloadInputs(Held):
-    """``policy``, and at the region's end its inputs that autograd computed go to host memory
-    (``offload.settle``): the tensors the region received as arguments, kept for backward as
-    eager keeps them, made by ops with a gradient (a layer's input, the layer before's output).
-    Leaves (parameters, the program's own inputs, constants) stay: their owners hold them."""
-
-    policy: object
-    offloads_inputs = True  # read by the region (``offload.offloads_inputs``)
 
     @property
     def constant(self):
@@ -74,6 +44,41 @@ class OffloadInputs(Held):
 
     def __call__(self, node) -> CheckpointPolicy:
         return decision(self.policy, node)
+
+
+_TO_HOST = {MUST_SAVE: MUST_CPU_OFFLOAD, PREFER_SAVE: PREFER_CPU_OFFLOAD}
+
+
+@dataclass(frozen=True)
+class OffloadKept(Wrapper):
+    """Offload to host memory what ``policy`` would keep on the device: its SAVE decisions
+    become CPU_OFFLOAD ones, and a planner's choice is offloaded instead of kept."""
+
+    policy: object
+    offloads_kept = True  # read by the region's planning (plan_cache.Planning)
+
+    @property
+    def constant(self):
+        c = getattr(self.policy, "constant", None)
+        return _TO_HOST.get(c, c)
+
+    def __call__(self, node) -> CheckpointPolicy:
+        d = decision(self.policy, node)
+        return _TO_HOST.get(d, d)
+
+    def __repr__(self) -> str:
+        return f"offload_kept({describe_policy(self.policy)})"
+
+
+@dataclass(frozen=True)
+class OffloadInputs(Wrapper):
+    """``policy``, and at the region's end its inputs that autograd computed go to host memory
+    (``offload.settle``): the tensors the region received as arguments, kept for backward as
+    eager keeps them, made by ops with a gradient (a layer's input, the layer before's output).
+    Leaves (parameters, the program's own inputs, constants) stay: their owners hold them."""
+
+    policy: object
+    offloads_inputs = True  # read by the region (``offload.offloads_inputs``)
 
     def __repr__(self) -> str:
         return f"offload_inputs({describe_policy(self.policy)})"
