@@ -129,6 +129,15 @@ def run(
             )
         if dev.type == "cuda":
             rows[key].update(_cuda_memory(dev, models[key], lambda: step(key), lambda: forward(key)))
+        if key.startswith("tracedac") and "offload" in key:  # its copies, as tracedac counts them
+            with tracedac.offload.tracked() as copies:
+                step(key)
+            _sync(dev)
+            rows[key]["copies"] = {
+                "out_bytes": copies.out_bytes,
+                "back_bytes": copies.back_bytes,
+                "stalled_s": copies.stalled_s,
+            }
 
     def timed(key, rep):
         _sync(dev)
@@ -282,8 +291,27 @@ def format_report(r: dict) -> str:
             f" GB/s each way, matmuls at {link['flop_rate'] / 1e12:.0f} TFLOP/s"
         )
     header = ["variant", "step ms", "vs torch checkpoint", "peak over weights", "held after forward"]
+    copies = [
+        [
+            x["label"],
+            f"{c['out_bytes'] / 1e6:.2f}",
+            f"{c['back_bytes'] / 1e6:.2f}",
+            f"{c['stalled_s'] * 1e3:.2f}",
+        ]
+        for x in rows
+        if (c := x.get("copies"))
+    ]
+    if copies:  # (on the CPU a copy is read in place: nothing comes back, nothing waits)
+        copies = ["", COPIES, *table(["variant", "to host MB", "back MB", "compute waited ms"], copies)]
     return "\n".join(
         [head, ""]
         + table([*header, "max |grad diff|", "first step s"], cells)
+        + copies
         + ["", GOALS, *(goal_line(t) for t in r["targets"])]
     )
+
+
+COPIES = (
+    "host copies of one step (tracedac.offload.tracked): bytes each way, and how long the compute "
+    "stream waited for them (the part of the copies the compute did not hide)"
+)

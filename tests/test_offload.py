@@ -500,3 +500,47 @@ def test_every_copy_comes_back_at_most_once_per_backward_and_gives_eagers_gradie
     assert seen.counts and set(seen.counts.values()) == {1}
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(x, y) for x, y in zip(got[1], want[1], strict=True))
+
+
+def test_tracked_counts_the_copies_each_way_once_and_nothing_outside_it(monkeypatch):
+    """``tracedac.offload.tracked``: what a step sent to the host and brought back, counted by
+    tracedac (served as on a GPU, brought back; the CPU's wait is none: ``stalled_s`` 0)."""
+    from tracedac import offload
+
+    _BringBacks(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(8, 8, generator=g).requires_grad_() for _ in range(2))
+    f = checkpoint(shares, policy=policies.offload_names("y"))
+    with offload.tracked() as outer:
+        with offload.tracked() as step:
+            out = f(x, w)
+            assert (step.out_copies, step.out_bytes, step.back_copies) == (1, 8 * 8 * 4, 0)
+            torch.autograd.grad(out, [x, w])
+        out = f(x, w)  # outside the inner block: counted by the outer one only
+    torch.autograd.grad(out, [x, w])  # outside both: counted by none
+    assert (step.out_copies, step.back_copies, step.back_bytes) == (1, 1, 8 * 8 * 4)  # one copy, shared
+    assert (outer.out_copies, outer.back_copies) == (2, 1)
+    assert step.stalled_s == 0.0 and "out: 1 copies, 256 B; back: 1 copies, 256 B" in repr(step)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_tracked_times_the_compute_streams_waits_for_copies():
+    """Not brought back ahead (``prefetch_regions(0)``), every copy back runs on the compute
+    stream: all of it a wait, timed by events. Each block's two matmul results go out; the
+    first comes back (replay starts from it), the second is the next block's input, which that
+    region holds as it came (as on the CPU, counted there with the copies served as on a GPU)."""
+    from tracedac import offload
+
+    offload.prefetch_regions(0)
+    try:
+        blocks, ws, x = _three_offloaded_regions("cuda")
+        with offload.tracked() as c:
+            h = x
+            for b in blocks:
+                h = b(h)
+            torch.autograd.grad(h.sum(), [x, *ws])
+        assert (c.out_copies, c.back_copies) == (6, 3) and c.out_bytes == 2 * c.back_bytes > 0
+        assert c.stalled_s > 0
+    finally:
+        offload.prefetch_regions(1)

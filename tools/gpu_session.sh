@@ -59,6 +59,7 @@ fi
 GPU_TESTS="tests/kernels/test_gpu.py tests/kernels/test_host_path.py tests/bench/test_kernels_bench.py
   tests/test_offload.py::test_on_cuda_the_copy_is_pinned_asynchronous_and_the_device_memory_goes
   tests/test_offload.py::test_on_cuda_a_prefetched_copy_is_on_the_device_before_backward_reads_it_and_exact
+  tests/test_offload.py::test_on_cuda_tracked_times_the_compute_streams_waits_for_copies
   tests/test_offload_planner.py::test_on_cuda_the_link_is_measured_and_an_offloading_plan_holds_fewer_device_bytes
   tests/test_offload_inputs.py::test_on_cuda_the_layer_inputs_leave_the_device_and_the_gradients_are_exact
   tests/test_compiled_replay.py::test_on_cuda_by_default_a_repeated_replay_runs_compiled_within_bf16_rounding"

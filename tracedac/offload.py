@@ -54,9 +54,10 @@ import weakref
 
 import torch
 
+from .copy_stats import copied, tracked, waiting
 from .decisions import is_offload
 
-__all__ = ["HostCopy", "host_copy", "offloads_inputs", "prefetch_regions", "settle"]
+__all__ = ["HostCopy", "host_copy", "offloads_inputs", "prefetch_regions", "settle", "tracked"]
 
 _streams: dict = {}
 _lock = threading.Lock()
@@ -177,6 +178,7 @@ class HostCopy:
             else:
                 host = src.to("cpu")
         self.host = host
+        copied("out", host.numel())
 
     @property
     def nbytes(self) -> int:
@@ -222,7 +224,9 @@ class HostCopy:
     def before_write(self) -> None:
         """A write into the copied storage is about to run: on CUDA it waits for the copy."""
         if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
+            main = torch.cuda.current_stream(self.device)
+            with waiting(main):
+                main.wait_event(self.event)
 
     # -- back to the device --
     def prefetch(self) -> None:
@@ -240,6 +244,7 @@ class HostCopy:
                 out.copy_(self.host, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(side)
+        copied("back", out.numel())
         self.prefetched = (out, done)
 
     def hold(self, handle) -> None:
@@ -275,14 +280,19 @@ class HostCopy:
             self.prefetched = False
             out, done = ahead
             main = torch.cuda.current_stream(self.device)
-            main.wait_event(done)
+            with waiting(main):
+                main.wait_event(done)
             out.record_stream(main)  # allocated on the side stream, read and freed on this one
             return out
+        copied("back", self.host.numel())
         with torch.no_grad():
             if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).wait_event(self.event)
-                out = torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device)
-                return out.copy_(self.host, non_blocking=True)
+                main = torch.cuda.current_stream(self.device)
+                with waiting(main):  # on the compute stream itself: all of it a wait
+                    main.wait_event(self.event)
+                    out = torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device)
+                    out.copy_(self.host, non_blocking=True)
+                return out
             return self.host.to(self.device)
 
     def fetch(self, meta, reader=None) -> torch.Tensor:
