@@ -335,8 +335,7 @@ def settle(groups, kept: list, inputs: bool = False) -> list:
     is that one's handle, not kept here); let go of the copies that are not of the state a
     handle saved (an op that wrote its own saved input without bumping the version counter: the
     handle wants the state after the write, which replay rebuilds); then start watching for
-    writes. Returns the
-    handles still holding something (of ``kept``)."""
+    writes. Returns the handles still holding something (of ``kept``)."""
     for g in groups:
         if g.held is not None and g.node is not None and is_offload(g.node.decision):
             host_copy(g, g.held).watch(g.held)
