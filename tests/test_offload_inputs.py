@@ -111,6 +111,29 @@ def test_inputs_offloaded_give_eagers_values_and_gradients_bitwise_step_after_st
         assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
 
 
+def test_compiled_replay_from_copies_served_as_on_a_gpu_gives_eagers_gradients(monkeypatch):
+    """Replay starts from the inputs' copies, brought back as on a GPU, and runs compiled
+    (within inductor's rounding, as compiled replay is)."""
+    from tracedac import offload
+    from tracedac.replay_compiled import stats
+
+    monkeypatch.setattr(offload, "_in_place", lambda device: False)
+    want = grads(stack(), X)
+    m = stack(policies.offload_inputs())
+    runs = stats().get("runs", 0)
+    before = tracedac.compiled_replay(True)
+    try:
+        for _ in range(3):
+            for p in m.parameters():
+                p.grad = None
+            got = grads(m, X)
+            for a, b in zip(got[1], want[1], strict=True):  # (inductor's fused kernels: its rounding)
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    finally:
+        tracedac.compiled_replay(before)
+    assert stats().get("runs", 0) > runs
+
+
 @pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 def test_after_the_forward_no_layer_input_the_program_let_go_is_held_on_the_device(policy):
     """The first layer's input is the program's own leaf (its owner holds it: never copied);
