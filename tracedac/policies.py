@@ -279,9 +279,10 @@ def offload_inputs(policy=None) -> OffloadInputs:
     saved (a decoder layer's input: ``layers x tokens x hidden`` bytes, what dominates memory at
     long sequence lengths under full recompute), as well as whatever ``policy`` offloads
     (default ``recompute_all()``: replay everything else, as Hugging Face's ``offload=True``
-    does with torch's checkpoint and ``save_on_cpu``). An input that another region passes on,
-    or that an enclosing region can replay, is left to it; a tensor handed to several regions
-    is copied by each."""
+    does with torch's checkpoint and ``save_on_cpu``). Leaves stay (parameters, the program's own
+    inputs, constants: their owners hold them), and so does an input an enclosing region
+    computed (it replays it) or ``tracedac.zero`` gathered (gathered again); a tensor handed to
+    several regions is copied by each."""
     if policy is None:
         policy = recompute_all()
     check_policy(policy)
