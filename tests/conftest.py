@@ -13,6 +13,22 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @pytest.fixture
+def host_copies(monkeypatch) -> list:
+    """Every ``tracedac.offload.HostCopy`` made during the test, in order (``nbytes``: its size)."""
+    from tracedac import offload
+
+    made = []
+    init = offload.HostCopy.__init__
+
+    def track(copy, *args):
+        init(copy, *args)
+        made.append(copy)
+
+    monkeypatch.setattr(offload.HostCopy, "__init__", track)
+    return made
+
+
+@pytest.fixture
 def world1(tmp_path):
     """A world-1 gloo process group in this process (file init), destroyed after the test."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)

@@ -460,24 +460,16 @@ def shares(x, w):
     return (y.sin() * y.cos()).sum()
 
 
-def test_a_copy_several_handles_share_comes_back_once_and_the_device_copy_goes_after_the_last(monkeypatch):
+def test_a_copy_several_handles_share_comes_back_once_and_the_device_copy_goes_after_the_last(
+    monkeypatch, host_copies
+):
     """Without sharing, each further reader copied the whole storage back again (on a GPU, on
     the main stream, where no compute hides it)."""
-    from tracedac import offload
-
     seen = _BringBacks(monkeypatch)
-    made = []
-    init = offload.HostCopy.__init__
-
-    def track(copy, *a):
-        init(copy, *a)
-        made.append(copy)
-
-    monkeypatch.setattr(offload.HostCopy, "__init__", track)
     g = torch.Generator().manual_seed(0)
     x, w = (torch.randn(8, 8, generator=g).requires_grad_() for _ in range(2))
     out = checkpoint(shares, policy=policies.offload_names("y"))(x, w)
-    (copy,) = made
+    (copy,) = host_copies
     assert len(copy.readers) == 2 and copy.back is None
     got = torch.autograd.grad(out, [x, w], retain_graph=True)
     assert seen.counts == {id(copy): 1}

@@ -147,13 +147,20 @@ def needs_wait(op) -> bool:
     return known[1]
 
 
-def replays_collectives(policy) -> bool:
-    """Whether ``policy``, or one it combines (``either``, ``offload_kept``), was wrapped in
-    ``replay_collectives`` (collectives.py): then it decides functional collectives itself."""
-    if getattr(policy, "replays_collectives", False) is True:
+def inner_flag(policy, name: str) -> bool:
+    """Whether ``policy``, or one it combines or wraps (``either``, ``offload_kept``, ...), is a
+    policy whose class sets the flag ``name`` (``replays_collectives``, ``reads_values``,
+    ``offloads_inputs``)."""
+    if getattr(policy, name, False) is True:
         return True
     inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
-    return any(p is not None and p is not policy and replays_collectives(p) for p in inner)
+    return any(p is not None and p is not policy and inner_flag(p, name) for p in inner)
+
+
+def replays_collectives(policy) -> bool:
+    """Whether ``policy`` was wrapped in ``replay_collectives`` (collectives.py), alone or
+    inside another: then it decides functional collectives itself."""
+    return inner_flag(policy, "replays_collectives")
 
 
 def decision(policy, node) -> CheckpointPolicy:

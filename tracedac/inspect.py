@@ -86,13 +86,10 @@ def _rows(region: Region) -> tuple[list[SavedRow], int, int, int]:
             )
         )
 
-    def input_offloaded(h):
-        offloaded(h.host, h.meta, None, f"an input autograd saved, offloaded by {policy}")
-
     replay = [h for h in region.handles if h.tensor is None and h.host is None]
     for h in region.handles:
-        if h.exact and h.host is not None:
-            input_offloaded(h)
+        if h.exact and h.host is not None:  # an input offloaded (``offload_inputs``)
+            offloaded(h.host, h.meta, None, f"an input autograd saved, offloaded by {policy}")
         elif h.exact:
             add(h.tensor, "input", None, f"{graph.namer(h.tensor)}: autograd saved it")
         elif h.tensor is not None:

@@ -57,7 +57,7 @@ import torch
 from .copy_stats import copied, tracked, waiting
 from .decisions import is_offload
 
-__all__ = ["HostCopy", "host_copy", "offloads_inputs", "prefetch_regions", "settle", "tracked"]
+__all__ = ["HostCopy", "host_copy", "prefetch_regions", "settle", "tracked"]
 
 _streams: dict = {}
 _lock = threading.Lock()
@@ -269,8 +269,8 @@ class HostCopy:
         out = self.back
         if out is None:
             out = self._bring_back()
-            if len(self.readers - {id(reader)}):  # others will read it: held (``read`` lets it go)
-                self.back = out
+            if len(self.readers) > (id(reader) in self.readers):  # others will read it: held
+                self.back = out  # (``read`` lets it go)
         return out
 
     def _bring_back(self) -> torch.Tensor:
@@ -316,14 +316,6 @@ def host_copy(group, t: torch.Tensor) -> HostCopy:
     if h is None or h.state != state:
         h = group.host = HostCopy(t, state)
     return h
-
-
-def offloads_inputs(policy) -> bool:
-    """Whether ``policy``, or one it wraps, is ``policies.offload_inputs``."""
-    if getattr(policy, "offloads_inputs", False) is True:
-        return True
-    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
-    return any(p is not None and p is not policy and offloads_inputs(p) for p in inner)
 
 
 def settle(groups, kept: list, inputs: bool = False) -> list:

@@ -19,12 +19,12 @@ from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
 from .collectives import check_agreement
 from .compile import traced_region
-from .decisions import is_offload, is_save, replays_collectives, resolve
+from .decisions import inner_flag, is_offload, is_save, replays_collectives, resolve
 from .errors import CheckpointError
 from .graph import RegionGraph
 from .location import track_modules
 from .naming import arg_refs, describe, module_table, registered_name
-from .offload import host_copy, offloads_inputs, settle
+from .offload import host_copy, settle
 from .plan_cache import Planning, computation, plan_key
 from .planners import planner_of
 from .replay import Slot
@@ -116,8 +116,9 @@ class Region:
         self.timing = False
         # whether anything may be offloaded (region exit then settles the host copies)
         self.offloads = getattr(policy, "offloads_kept", False)
-        self.offload_inputs = offloads_inputs(policy)  # inputs autograd computed leave at the end
-        self.reads_values = _reads_values(policy)  # the recorder hands such a policy the op's values
+        self.offload_inputs = inner_flag(policy, "offloads_inputs")  # computed inputs leave at the end
+        # the recorder hands a policy that reads the op's values those (``trace.deciding``)
+        self.reads_values = inner_flag(policy, "reads_values")
         if planner is not None:
             key = None if self.report else plan_key(policy, code, module, args, kwargs)
             self.planning = Planning(planner, key, offload=self.offloads)
@@ -371,15 +372,6 @@ class reporting:
     def __exit__(self, *exc):
         _local.reporting = self.previous
         return False
-
-
-def _reads_values(policy) -> bool:
-    """Whether ``policy``, or one it combines (``either``, ``offload_kept``), reads the values
-    of the op it decides (``trace.deciding``)."""
-    if getattr(policy, "reads_values", False):
-        return True
-    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
-    return any(p is not None and p is not policy and _reads_values(p) for p in inner)
 
 
 def current_region() -> Region | None:

@@ -78,7 +78,7 @@ class OffloadInputs(Wrapper):
     Leaves (parameters, the program's own inputs, constants) stay: their owners hold them."""
 
     policy: object
-    offloads_inputs = True  # read by the region (``offload.offloads_inputs``)
+    offloads_inputs = True  # read by the region (``decisions.inner_flag``)
 
     def __repr__(self) -> str:
         return f"offload_inputs({describe_policy(self.policy)})"

@@ -57,13 +57,7 @@ def pack_cast(srcs: list[torch.Tensor], dst: torch.Tensor, *, backend: str = "au
     key = _pack_key(srcs, dst) if type(srcs) in _SEQUENCES and _direct(dst) else None
     if key is None:  # observed, or not plain tensors (then the checks say what is wrong)
         srcs = check_pack_cast(srcs, dst)
-        backend = resolve_backend("pack_cast", backend, dst.device)
-        if _unobserved([dst, *srcs]):
-            _pack_cast_impl(srcs, dst, backend)
-            torch.autograd.graph.increment_version(dst)
-        else:
-            torch.ops.tracedac.pack_cast(srcs, dst, backend)
-        return dst
+        return _checked("pack_cast", [dst, *srcs], (srcs, dst), backend, _pack_cast_impl)
     check = partial(check_pack_cast, srcs, dst)
     return _keyed("pack_cast", _pack_calls, key, check, srcs, dst, backend, pack_cast_torch, False)
 
@@ -77,15 +71,23 @@ def accumulate_(dst: torch.Tensor, src: torch.Tensor, *, backend: str = "auto") 
     key = _accumulate_key(dst, src) if _direct(dst) else None
     if key is None:  # observed, or not plain tensors (then the checks say what is wrong)
         check_accumulate(dst, src)
-        backend = resolve_backend("accumulate_", backend, dst.device)
-        if _unobserved([dst, src]):
-            _accumulate_impl(dst, src, backend)
-            torch.autograd.graph.increment_version(dst)
-        else:
-            torch.ops.tracedac.accumulate_(dst, src, backend)
-        return dst
+        return _checked("accumulate_", [dst, src], (dst, src), backend, _accumulate_impl)
     check = partial(check_accumulate, dst, src)
     return _keyed("accumulate_", _accumulate_calls, key, check, [src], dst, backend, _accumulate_torch, True)
+
+
+def _checked(name: str, tensors: list, args: tuple, backend: str, impl) -> torch.Tensor:
+    """A call the keyed path does not take, its arguments checked: the implementation called
+    directly where nothing observes it (``tensors[0]``, dst, then marked written), else the
+    op ``tracedac.<name>``. Returns dst."""
+    dst = tensors[0]
+    backend = resolve_backend(name, backend, dst.device)
+    if _unobserved(tensors):
+        impl(*args, backend)
+        torch.autograd.graph.increment_version(dst)
+    else:
+        getattr(torch.ops.tracedac, name)(*args, backend)
+    return dst
 
 
 # Private, hence looked up defensively: without it every call takes the op path.

@@ -46,6 +46,7 @@ from ...decisions import (
     PREFER_RECOMPUTE,
     PREFER_SAVE,
     effect,
+    inner_flag,
     is_offload,
     is_save,
     replays_collectives,
@@ -53,7 +54,6 @@ from ...decisions import (
 )
 from ...errors import CheckpointError
 from ...min_cut import min_cut_keep
-from ...offload import offloads_inputs
 from ...planners import MemoryBudget, closure, planner_of, problem
 from ..fx_graph import build
 from ..vocab import DECISION, LABELS, MARK, SPECS, backward_nodes, region_key
@@ -156,7 +156,7 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
             "one with no check that every rank does the same). Compile it with the policy inside "
             "replay_collectives(...), or run the region eagerly."
         )
-    if offloads_inputs(policy):
+    if inner_flag(policy, "offloads_inputs"):
         _refuse_offload(graph.name, policy, None, "its inputs (offload_inputs)")
     for node in graph.nodes:
         node.decision = resolve(policy, node)
