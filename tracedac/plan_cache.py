@@ -92,9 +92,10 @@ class Planning:
     A policy's offload decision (MUST or PREFER) is fixed like a MUST: the planner plans around
     it (on the host: no device bytes, and replay may start from it). A planner made with
     ``offload`` chooses offloads of its own (``Planner.place``): those nodes are decided
-    ``PREFER_CPU_OFFLOAD``, copied to the host when recorded (a cached plan) or at the region's
-    end (a plan made there). With ``offload`` here (``policies.offload_kept``) what the plan
-    keeps is offloaded instead (``PREFER_CPU_OFFLOAD``)."""
+    ``PREFER_CPU_OFFLOAD``, copied to the host when autograd saves them (a cached plan) or at
+    the region's end (a plan made there), or there if only replay reads them. With
+    ``offload`` here (``policies.offload_kept``) what the plan keeps is offloaded instead
+    (``PREFER_CPU_OFFLOAD``)."""
 
     def __init__(self, planner: Planner, key, offload: bool = False):
         self.planner = planner
@@ -125,7 +126,7 @@ class Planning:
                     node.decision = self.from_plan[node.index] = self.kept_decision
                     return self.planner.holds_unsaved
                 if any(g in self.offload for g in produced):
-                    # copied to the host when held or saved
+                    # held, and copied to the host when saved (or at the end, for replay)
                     node.decision = self.from_plan[node.index] = PREFER_CPU_OFFLOAD
                     return self.planner.holds_unsaved
                 node.decision = PREFER_RECOMPUTE

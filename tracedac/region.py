@@ -24,7 +24,7 @@ from .errors import CheckpointError
 from .graph import RegionGraph
 from .location import track_modules
 from .naming import arg_refs, describe, module_table, registered_name
-from .offload import host_copy, settle
+from .offload import host_copy, leave_device, settle
 from .plan_cache import Planning, computation, plan_key
 from .planners import planner_of
 from .replay import Slot
@@ -100,7 +100,7 @@ class Region:
         self.module_names = module_names if module_names is not None else {}
         self.handles = [] if self.report else None  # every handle packed, for saved_report
         self.kept: list = []  # handles holding their tensor (or its host copy), until the region ends
-        self.raw_held: list = []  # (group, the program's tensor) held until the region ends
+        self.raw_held: dict = {}  # group id -> (group, the program's tensor) held until the region ends
         if reporting is not None:
             reporting.append(self)
         self.parent: Region | None = None
@@ -153,15 +153,19 @@ class Region:
         return offload or is_save(d)
 
     def hold(self, group, tensor) -> None:
-        """Keep ``tensor`` (the program's own) for ``group`` until ``alias`` replaces it; or,
-        for a result the policy offloads, copy it to host memory now (``offload.host_copy``)."""
-        if is_offload(group.node.decision):
-            host_copy(group, tensor)
-            return
-        if self.planning is not None and not self.planning.keeps(group):
+        """Keep ``tensor`` (the program's own) for ``group`` until ``alias`` replaces it. A
+        result the policy offloads is held the same way until autograd saves it (``_pack``
+        copies it to host memory then and lets go of it here) or the region ends (a copy is
+        made then only if replay starts from it: ``offload.leave_device``), so only what
+        backward reads crosses the link."""
+        if (
+            self.planning is not None
+            and not is_offload(group.node.decision)
+            and not self.planning.keeps(group)
+        ):
             return  # a planned op's result the plan does not keep
         group.held = tensor
-        self.raw_held.append((group, tensor))
+        self.raw_held[group.id] = (group, tensor)
 
     def alias(self, group, t: torch.Tensor) -> torch.Tensor:
         """A detached alias of ``t`` sharing its version counter, also held for ``group``
@@ -205,6 +209,9 @@ class Region:
         elif is_offload(g.node.decision):
             slot = Slot(self.graph, meta, host=host_copy(g, t))
             slot.host.watch(t)  # up here a detach() shares t's version counter
+            if g.held is not None:  # the copy is of the held state: replay starts from it too
+                g.held = None
+                self.raw_held.pop(g.id, None)
         elif is_save(g.node.decision) if self.planning is None else self.planning.keeps(g):
             # detached: the saved output's grad_fn holds this handle; no reference cycle
             slot = Slot(self.graph, meta, self.alias(g, t))
@@ -260,10 +267,10 @@ class Region:
         """Plan replay for every handle, then let go of everything the plan does not use."""
         graph = self.graph
         self.tracer.settle_packed()
-        for g, t in self.raw_held:
+        for g, t in self.raw_held.values():
             if g.held is t:
                 self.alias(g, t)
-        self.raw_held = []
+        self.raw_held = {}
         if self.planning is not None:
             self.planning.finish(self)  # decide what was left undecided, let go of the rest
         if self.offloads:
@@ -285,7 +292,7 @@ class Region:
             if slot.changed:
                 graph.add_slot(slot)
         kept_groups = {slot.meta.group for slot in self.kept}
-        self.kept = []
+        kept, self.kept = self.kept, []
         wanted = [(s.meta.group, s.meta.state) for s in graph.slots()]  # not kept: memory
         if not replays_collectives(self.policy):
             p = plan(graph, wanted)
@@ -297,6 +304,8 @@ class Region:
                 raise
             check_agreement(graph, frozenset(p.nodes))
         self._release(p, kept_groups)
+        if self.offloads:  # what is still held of an offloaded result: to host if replay reads it
+            leave_device(graph.groups, kept)
 
     def _hand_inputs_to_parent(self) -> None:
         """An input of a nested region that the enclosing region computed is held as the
