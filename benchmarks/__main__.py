@@ -319,9 +319,7 @@ def _zero(parser: argparse.ArgumentParser, args) -> int:
         parser.error(zero.NOT_DISTRIBUTED)
     world = int(os.environ["WORLD_SIZE"]) if launched else 1
     try:
-        zero.check_settings(
-            zero.QUICK if args.quick else _config(args), args.steps, device, world, compiled=args.compile
-        )
+        zero.check_settings(zero.QUICK if args.quick else _config(args), args.steps, device, world)
     except (ValueError, probe.ProbeUnavailable) as e:
         parser.error(str(e))
     if launched:

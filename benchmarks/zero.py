@@ -148,19 +148,10 @@ def rank_device(device: str | torch.device, local_rank: int | None = None) -> to
     return torch.device("cuda", index)
 
 
-def check_settings(
-    cfg: Config, steps: int, device: str | torch.device, world: int, compiled: bool = False
-) -> None:
+def check_settings(cfg: Config, steps: int, device: str | torch.device, world: int) -> None:
     """Raise a ValueError saying what cannot run, before any process group exists. On CPU:
-    gloo, two ranks or more; on CUDA: NCCL, one rank or more; compiled: torch 2.13 or newer."""
+    gloo, two ranks or more; on CUDA: NCCL, one rank or more."""
     cfg.check()
-    if compiled:
-        from tracedac.zero.unit import ZeroError, compiles_zero
-
-        try:
-            compiles_zero(dynamo=True)  # what a compiled unit asks at trace time
-        except ZeroError as e:
-            raise ValueError(f"--zero --compile: {e}") from None
     if steps < 1:
         raise ValueError(f"steps must be at least 1 to have a time to report, got {steps}")
     kind = _device_type(device).type

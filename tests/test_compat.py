@@ -1,6 +1,6 @@
 """What differs between the torch releases tracedac supports (tracedac/_compat.py): each
 difference met on torch 2.11 (the suite run there by hand, docs/design.md "Supported torch"),
-checked here on the torch CI runs (tracedac.zero's own, ``compiles_zero``: tests/zero/test_shard.py)."""
+checked here on the torch CI runs."""
 
 from types import SimpleNamespace
 
@@ -44,3 +44,71 @@ def test_is_exporting_is_false_under_torch_compile_and_true_under_export():
 
     torch.export.export(M(), (torch.ones(2),))
     assert seen == [False, True]
+
+
+@pytest.mark.parametrize(
+    "version",
+    [
+        pytest.param((2, 11), id="torch 2.11's way"),
+        pytest.param(
+            (2, 13),
+            id="torch 2.13's way",
+            marks=pytest.mark.skipif(
+                _compat._VERSION < (2, 13),
+                reason="dynamo before 2.13 cannot trace it: the other way's reason",
+            ),
+        ),
+    ],
+)
+def test_a_compiled_sharded_step_puts_the_parameters_back_either_way_and_trains_as_eager(
+    world1, monkeypatch, version
+):
+    """``put_back_parameter``, both ways, under this torch's dynamo (2.11's dynamo itself is met
+    where the suite runs on 2.11: every compiled ``tracedac.zero`` test): the compiled step's
+    loss is eager's and its gradients are within the decompositions' rounding, and afterwards
+    each sharded attribute reads its registered parameter again (2.11's way leaves it in the
+    instance ``__dict__``, 2.13's removes it)."""
+    import torch._dynamo
+    import torch.nn.functional as F
+
+    import tracedac.zero as zero
+
+    from .zero import workers as w
+
+    monkeypatch.setattr(_compat, "_VERSION", version)
+    ref = zero.shard(w.model(tie=False))
+    m = zero.shard(w.model(tie=False))
+    x, y = w.data(0)
+    torch._dynamo.reset()
+    try:
+        got = F.mse_loss(torch.compile(m, fullgraph=True, backend="aot_eager_decomp_partition")(x), y)
+        got.backward()
+    finally:
+        torch._dynamo.reset()
+    want = F.mse_loss(ref(x), y)
+    want.backward()
+    assert torch.equal(got, want)
+    for (name, p), q in zip(m.named_parameters(), ref.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None and not q.requires_grad, name
+            continue
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), msg=name)  # decomposed
+    linear = m.blocks[0].lin1
+    assert linear.weight is linear._parameters["weight"]
+    assert ("weight" in vars(linear)) is (version < (2, 13))
+
+
+def test_a_prepended_pre_hook_is_first_in_the_hooks_dict_by_either_order():
+    """dynamo 2.11 guards on a hook by its place in the plain dict's order, which
+    ``register_forward_pre_hook(prepend=True)`` leaves unchanged (it reorders the OrderedDict
+    only): a guard meant for the hook after tracedac's read tracedac's."""
+    m = torch.nn.Linear(2, 2)
+    first = m.register_forward_pre_hook(lambda mod, args: None)
+    ours = _compat.prepend_forward_pre_hook(m, lambda mod, args: None)
+    hooks = m._forward_pre_hooks
+    assert list(hooks) == list(dict.keys(hooks)) == [ours.id, first.id]
+    plain = torch.nn.Linear(2, 2)
+    plain.register_forward_pre_hook(lambda mod, args: None)
+    plain.register_forward_pre_hook(lambda mod, args: None, prepend=True)
+    torchs = plain._forward_pre_hooks
+    assert list(torchs) == list(reversed(dict.keys(torchs)))  # what the helper is for

@@ -6,8 +6,6 @@ import pathlib
 
 import pytest
 
-from .zero.compiles import WHY_NOT, needs_compiled_zero
-
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 
 # Optional: the dev extra installs both; a machine without them skips these tests and says why.
@@ -30,7 +28,6 @@ def _no_switch() -> str | None:
 
 # each notebook that cannot run on this torch or transformers (its test skips): not started
 CANNOT_RUN = {
-    "04_zero.ipynb": WHY_NOT,
     "05_huggingface.ipynb": _no_switch(),
 }
 
@@ -130,7 +127,6 @@ def test_the_huggingface_notebook_trains_with_tracedac_under_the_trainer(printed
     assert "state_dict keys unchanged: True" in text and "checkpointing on: False" in text
 
 
-@needs_compiled_zero  # (it compiles the sharded model)
 def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memory(printed):
     import ast
     import re

@@ -23,16 +23,46 @@ __all__ = [
     "is_wrapper_subclass_type",
     "op_effect",
     "optimization_hint",
+    "prepend_forward_pre_hook",
     "process_group_named",
+    "put_back_parameter",
     "trace_time_error",
 ]
 
-# (torch major, minor): zero/unit.py's compiles_zero reads it
+# (torch major, minor)
 _VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 # A SymInt's concrete hint (or ``fallback`` when it has none): ``optimization_hint`` in torch
 # 2.13, ``hint_int`` in 2.11.
 optimization_hint = getattr(_symbolic_shapes, "optimization_hint", None) or _symbolic_shapes.hint_int
+
+
+def prepend_forward_pre_hook(module, hook):
+    """``module.register_forward_pre_hook(hook, prepend=True)``, with the hooks' dict in that
+    order as a plain dict too: ``prepend`` moves the hook to the front of the ``OrderedDict``
+    only, and dynamo 2.11 guards on a hook by its position in the plain dict's order
+    (``list(dict.keys(hooks))[i]``), so a guard built for the hook after ours read ours
+    (``tracedac.wrap`` after ``zero.shard``, compiled: "'_ModuleHooks' object has no attribute
+    'slots'"). Re-inserting the others after it makes both orders one."""
+    handle = module.register_forward_pre_hook(hook)
+    hooks = module._forward_pre_hooks
+    for key in [k for k in hooks if k != handle.id]:
+        hooks[key] = hooks.pop(key)
+    return handle
+
+
+def put_back_parameter(module, name: str) -> None:
+    """Let ``module.<name>`` read its registered parameter again after an instance attribute
+    (a gathered view) shadowed it, in code dynamo traces (``zero/unit.py``). From torch 2.13 the
+    attribute leaves the instance ``__dict__``. Dynamo 2.11 traces no removal from it
+    (``__dict__.pop``, ``del``, ``object.__delattr__``: "Unsupported method call"), so there
+    it is set to the parameter itself: the attribute reads what it read before, and the entry
+    stays until the unit's next eager exit removes it (an assignment to the attribute replaces
+    it, as ``nn.Module.__setattr__`` drops a ``__dict__`` entry of that name)."""
+    if _VERSION >= (2, 13):
+        module.__dict__.pop(name, None)
+    else:
+        object.__setattr__(module, name, module._parameters[name])
 
 
 def process_group_named(name: str):

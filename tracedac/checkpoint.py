@@ -14,7 +14,7 @@ import sys
 import torch
 from torch import nn
 
-from ._compat import class_forward
+from ._compat import class_forward, prepend_forward_pre_hook
 from .compile import name_op, traced_region
 from .decisions import hold
 from .errors import CheckpointError
@@ -84,7 +84,7 @@ def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn
         policy, name if name is not None else type(module).__name__, qualified=name is not None
     )
     hooks.handles = (
-        module.register_forward_pre_hook(hooks.pre, prepend=True),
+        prepend_forward_pre_hook(module, hooks.pre),
         module.register_forward_hook(hooks.post, always_call=True),
     )
     module._tracedac = hooks

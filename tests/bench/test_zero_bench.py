@@ -21,8 +21,6 @@ from benchmarks import zero
 from benchmarks.__main__ import main
 from benchmarks.child import ROOT
 
-from ..zero.compiles import needs_compiled_zero
-
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 
 TIMEOUT_S = 120
@@ -229,7 +227,6 @@ def test_a_missing_deepspeed_shows_as_not_installed_and_the_rest_still_reports(q
     assert "tracedac.zero bf16" in text and "goals (" in text
 
 
-@needs_compiled_zero
 def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_equal_losses(quick_compiled):
     figures, rank0, _ = quick_compiled
     by = rows(figures)

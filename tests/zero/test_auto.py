@@ -9,7 +9,6 @@ import pytest
 import tracedac.zero as zero
 
 from . import auto_workers as aw
-from .compiles import needs_compiled_zero
 from .spawn import run_ranks
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
@@ -49,7 +48,7 @@ def test_ranks_that_read_a_parameter_differently_agree_on_fp32():
     assert len(l0) == len(l1) == 3
 
 
-@pytest.mark.parametrize("how", ["eager", pytest.param("compiled", marks=needs_compiled_zero)])
+@pytest.mark.parametrize("how", ["eager", "compiled"])
 def test_a_weight_read_both_ways_travels_fp32_eager_and_compiled(how):
     """A tied embedding/output weight: the lookup reads it as it is, the projection's matmul
     casts it. Its group (the Embedding's) stays fp32; the Linear's group goes bf16."""

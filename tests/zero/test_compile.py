@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from . import compile_workers as cw
-from .compiles import needs_compiled_zero
 from .spawn import part, run_ranks, start_ranks
 
 # slow: the quick loop (pytest -m "not slow") leaves this file out
-pytestmark = [pytest.mark.slow, needs_compiled_zero]
+pytestmark = pytest.mark.slow
 
 CASES = [
     ("plain", "per-block", None),

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from . import moe_workers as mw
-from .compiles import needs_compiled_zero
 from .spawn import run_ranks
 
 # slow: the quick loop (pytest -m "not slow") leaves this file out
-pytestmark = [pytest.mark.slow, needs_compiled_zero]
+pytestmark = pytest.mark.slow
 
 
 def test_sharded_checkpointed_compiled_moe_with_a_load_balancing_bias_equals_eager():

@@ -14,10 +14,8 @@ import tracedac
 import tracedac.zero as zero
 from tracedac import policies
 from tracedac.region import reporting
-from tracedac.zero import unit as zunit
 from tracedac.zero.module import sharded
 
-from . import compiles
 from . import workers as w
 
 
@@ -296,15 +294,6 @@ def test_to_empty_respecs_every_group_and_keeps_parameter_order(world1, monkeypa
     assert all(p.grad is not None for p in params)
 
 
-def test_sharded_units_refuse_to_compile_before_torch_2_13_with_what_to_do(monkeypatch):
-    monkeypatch.setattr(zunit, "_VERSION", (2, 13))
-    assert zunit.compiles_zero(True) is True
-    monkeypatch.setattr(zunit, "_VERSION", (2, 11))
-    assert zunit.compiles_zero(False) is True  # make_fx and fake tensors trace it there
-    with pytest.raises(zero.ZeroError, match="needs torch 2.13 or newer.*run the sharded model eagerly"):
-        zunit.compiles_zero(True)
-
-
 def test_order_check_rows_live_where_the_backend_moves_tensors(monkeypatch):
     from tracedac.zero.group import collective_device
 
@@ -415,11 +404,7 @@ def test_one_rank_compiles_auto_mixed_precision_in_process_clips_and_reads_full_
     """The quick loop's pass over what the spawned tests check at length: a sharded model under
     ``MixedPrecision("auto")`` compiled fullgraph in this process (the gather-cast, gather-tag and
     prefetch passes), its loss that of the eager model, ``clip_grad_norm_`` equal to torch's on the
-    unsharded gradients, and ``full_parameters`` the unsharded values.
-
-    Where torch is older than 2.13 the compile is refused (``compiles_zero``): a ``ZeroError``
-    saying to run the model eagerly, raised as it is through dynamo (not as its internal error),
-    after which the model runs eagerly as before and the rest is checked on that run."""
+    unsharded gradients, and ``full_parameters`` the unsharded values."""
     import torch._dynamo
 
     ref = w.model(tie=False)
@@ -429,12 +414,7 @@ def test_one_rank_compiles_auto_mixed_precision_in_process_clips_and_reads_full_
     with torch.autocast("cpu", torch.bfloat16):
         eager = F.mse_loss(m(x), y)  # "auto" decides its dtypes from this first forward
         torch._dynamo.reset()
-        if compiles.COMPILES:
-            compiled = F.mse_loss(compiled_model(x), y)
-        else:
-            with pytest.raises(zero.ZeroError, match=compiles.REFUSED):
-                compiled_model(x)
-            compiled = F.mse_loss(m(x), y)  # the way out the message gives
+        compiled = F.mse_loss(compiled_model(x), y)
     torch._dynamo.reset()
     assert torch.equal(eager, compiled)
     compiled.backward()

@@ -18,7 +18,6 @@ import pytest
 from tracedac._compat import _VERSION
 
 from . import soak_workers as sw
-from .compiles import COMPILES, needs_compiled_zero
 from .spawn import start_ranks
 
 STEPS = 200
@@ -26,8 +25,7 @@ FLOOR = 1024  # bytes a step: allocator noise over 200 steps reads up to ~250 on
 COMPILED = "zero+wrap+compile"
 MODES = {
     1: ("zero", "zero+wrap", "zero+bf16+wrap", "zero+auto+wrap", "zero+noprefetch+wrap"),
-    # compiled only where tracedac.zero compiles (torch >= 2.13): its test skips elsewhere
-    2: ("zero+wrap", "zero+auto+wrap", *((COMPILED,) if COMPILES else ())),
+    2: ("zero+wrap", "zero+auto+wrap", COMPILED),
 }
 
 
@@ -72,7 +70,6 @@ def test_two_ranks_keep_no_host_memory_per_step_eager(soaks):
 
 
 @pytest.mark.slow
-@needs_compiled_zero
 def test_two_ranks_keep_no_host_memory_per_step_compiled(soaks):
     """The same, compiled fullgraph with regions inside the sharded blocks."""
     _assert_flat(soaks[2].results(), (COMPILED,))

@@ -14,7 +14,6 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import tp_workers as tw
-from .compiles import needs_compiled_zero
 from .spawn import part, run_ranks
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
@@ -136,10 +135,9 @@ def test_mixed_precision_gathers_bf16_tp_weights_and_trains_as_autocast_would(ra
             "world",
             r"blocks\.0\.up\.weight.*no dimension is the process group.*\[0, 1, 2, 3\].*group=mesh",
         ),
-        pytest.param(
+        (
             "compiled",
             r"tensor-parallel \(DTensor\) parameters is being compiled.*Run the sharded model eagerly",
-            marks=needs_compiled_zero,  # before torch 2.13 no sharded unit compiles, TP or not
         ),
     ],
 )

@@ -28,8 +28,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tracedac
 import tracedac.zero as zero
 
-from .compiles import COMPILES
-
 D, H, OUT = 16, 32, 4  # width, MLP hidden, head
 BATCH, STEPS, BLOCKS = 8, 3, 3
 LR, CLIP = 1e-2, 0.5  # clipping at 0.5 is active: every step's norm is above it
@@ -278,8 +276,7 @@ def refusals(rank, world):
     return {
         "auto": _refused(lambda: sharded(mixed_precision=zero.MixedPrecision("auto"))),
         "world": _refused(lambda: sharded(group=dist.group.WORLD)),
-        # (torch < 2.13 refuses any sharded unit under dynamo first: tests/zero/compiles.py)
-        "compiled": _refused(compiled) if COMPILES else None,
+        "compiled": _refused(compiled),
     }
 
 

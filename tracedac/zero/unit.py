@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._compat import _VERSION, class_forward, is_wrapper_subclass
+from .._compat import class_forward, is_wrapper_subclass, put_back_parameter
 from ..compile.registry import install_traced
 from ..region import current_region, tracing
 from ..subclasses import Constant, Flattened, is_subclass
@@ -29,27 +29,9 @@ from .gathered import Gathered, Handle, handle_for
 from .group import FlatGroup
 from .layout import split_views
 from .prefetch import Prefetch
-from .tp import _trace_time_error, compiles_tp, wrap
+from .tp import compiles_tp, wrap
 
-__all__ = ["Unit", "compiles_zero"]
-
-
-def compiles_zero(dynamo: bool) -> bool:
-    """Raise, at trace time, where dynamo (``dynamo``: whether it is the tracer) cannot compile
-    ``tracedac.zero``: torch before 2.13, whose dynamo cannot trace the removal of a gathered
-    view from the module's ``__dict__`` (``__dict__.pop``, ``del``, ``object.__delattr__``:
-    "Unsupported method call" on 2.11). ``make_fx`` and fake tensors trace it there."""
-    if dynamo and _VERSION < (2, 13):
-        raise _trace_time_error()(  # (a ZeroError dynamo passes on as it is)
-            f"tracedac.zero under torch.compile needs torch 2.13 or newer (this is {torch.__version__}): "
-            "dynamo before it cannot trace how a sharded unit puts its parameters back after "
-            "forward. Upgrade torch, or run the sharded model eagerly (tracedac's checkpoint regions "
-            "compile on this torch)."
-        )
-    return True
-
-
-compiles_zero._dynamo_marked_constant = True  # run at trace time, its result a constant
+__all__ = ["Unit"]
 
 
 class _Slot:
@@ -139,7 +121,6 @@ class Unit:
         to be recomputed (``compile/passes/zero_tags.py``), so backward gathers again. No
         ``Gathered`` entry and no saved-tensor hooks: the compiled code runs none of this."""
         install_traced()
-        compiles_zero(torch.compiler.is_dynamo_compiling())  # (torch >= 2.13)
         compiles_tp(torch.compiler.is_dynamo_compiling(), self.tp)
         # dtype explicit: the graph keeps the dtype it was traced with if "auto" changes it later
         fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key, dtype=g.dtype_now()) for g in self.groups]
@@ -157,7 +138,7 @@ class Unit:
         gathered, hooks = self.active.pop()
         if hooks is _TRACED:  # the gathered buffers themselves
             for s in self.slots:
-                s.module.__dict__.pop(s.attr, None)
+                put_back_parameter(s.module, s.attr)  # (as the eager path's pop, traceable on 2.11)
             for full, g in zip(gathered, self.groups):
                 torch.ops.tracedac.release(full, g.key)
             return
