@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -238,6 +240,49 @@ def test_gradients_dropped_or_zeroed_by_the_user_between_backwards_accumulate_as
         model.blocks[2].norm.weight.grad.zero_()
     for model in (ref, m):
         F.mse_loss(model(x), y).backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+def test_zero_grad_set_to_none_frees_the_gradient_shards_and_accumulation_still_adds_in_place(
+    world1, monkeypatch
+):
+    """``zero_grad(set_to_none=True)`` frees the gradients, as for plain parameters: before,
+    each group held its flat gradient (and the DTensors viewing it) to the next backward's
+    reduction, a rank's whole gradient shard held between steps and into the next peak (1.11x
+    FSDP2's peak on an H200, 1.10x on a CPU run of the same measurement; 0.98x without it).
+    Without ``zero_grad`` the next backward still adds into the same buffer, once per group."""
+    from tracedac.zero import group as zgroup
+
+    ref, m = w.model(tie=False), zero.shard(w.model(tie=False))
+    opt = torch.optim.AdamW(m.parameters())
+    x, y = w.data(0)
+    F.mse_loss(m(x), y).backward()
+    grads = [p.grad for p in m.parameters() if p.grad is not None]
+    storages = {g._local_tensor.untyped_storage()._cdata: g._local_tensor.untyped_storage() for g in grads}
+    refs = [st._weak_ref() for st in storages.values()]
+    del grads, storages
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    try:
+        assert all(torch.UntypedStorage._expired(r) for r in refs), "a gradient buffer outlived zero_grad"
+    finally:
+        for r in refs:
+            torch.UntypedStorage._free_weak_ref(r)
+    ref.load_state_dict(zero.full_state_dict(m))
+    adds = []
+    accumulate = zgroup.accumulate_
+    monkeypatch.setattr(zgroup, "accumulate_", lambda buf, part: adds.append(buf) or accumulate(buf, part))
+    for model in (ref, m):
+        F.mse_loss(model(x), y).backward()
+    first = [p.grad for p in m.parameters()]
+    adds.clear()
+    for model in (ref, m):
+        F.mse_loss(model(x), y).backward()
+    assert all(p.grad is g for p, g in zip(m.parameters(), first))
+    assert len(adds) == sum(g.requires_grad for g in sharded(m).all_groups)  # the fused pass, once a group
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)

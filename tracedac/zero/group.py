@@ -111,7 +111,10 @@ class FlatGroup:
         self.travel = dtype  # the dtype the last gather asked for: what a prefetch gathers in
         self.sync = True  # reduce-scatter gradients in backward (False: accumulate them unsharded)
         self.held: torch.Tensor | None = None  # the unsharded gradient accumulated while sync is off
-        self.grad_buffer: torch.Tensor | None = None  # flat fp32 gradient that the .grad DTensors view
+        # Weak references: the flat fp32 gradient the .grad DTensors view, and those DTensors.
+        # Held strongly, they kept every gradient after ``zero_grad(set_to_none=True)``, to the
+        # next backward's reduction: a rank's whole gradient shard held for nothing, into its peak.
+        self.grad_buffer: weakref.ref | None = None
         self.grads: list = []
         self.summoned = False  # inside full_parameters(): the DTensors are swapped out
         self.local = self.leaf = None
@@ -319,15 +322,16 @@ class FlatGroup:
     def add_grad(self, part: torch.Tensor) -> None:
         """Add this rank's reduced gradient into the parameters' ``.grad`` (DTensors)."""
         current = [s.param.grad for s in self.slices]
-        if self.grad_buffer is not None and all(g is mine for g, mine in zip(current, self.grads)):
-            accumulate_(self.grad_buffer, part)  # every .grad is still a view of ours: one fused pass
+        buf = self.grad_buffer() if self.grad_buffer is not None else None
+        if buf is not None and all(g is not None and g is mine() for g, mine in zip(current, self.grads)):
+            accumulate_(buf, part)  # every .grad is still a view of ours (keeping it alive): one fused pass
             return
         if all(g is None for g in current):
             buf = part if part.dtype == torch.float32 else part.float()  # part is ours: no copy
-            self.grad_buffer = buf
-            self.grads = [dtensor(s.local(buf), s.spec) for s in self.slices]
-            for s, g in zip(self.slices, self.grads):
+            grads = [dtensor(s.local(buf), s.spec) for s in self.slices]
+            for s, g in zip(self.slices, grads):
                 s.param.grad = g
+            self.grad_buffer, self.grads = weakref.ref(buf), [weakref.ref(g) for g in grads]
             return
         self.grad_buffer, self.grads = None, []  # someone set or dropped some: one at a time
         for s, g in zip(self.slices, current):
