@@ -217,8 +217,8 @@ def _targets(rows: dict, cuda: bool) -> list[dict]:
     matmuls = "tracedac_save_matmuls_cr" if cuda else "tracedac_save_matmuls"
     default = "compiled replay" if cuda else "op-by-op replay"
     full = ("tracedac_offload_all", "tracedac_offload_everything")  # (whichever ran)
-    best_other = [ratio("tracedac_budget_offload", k) for k in (recompute, *full)]
-    best_other = None if best_other[0] is None else min(r for r in best_other if r is not None)
+    against = [ratio("tracedac_budget_offload", k) for k in (recompute, *full)]
+    best_other = None if against[0] is None else min(r for r in against if r is not None)
     return [
         target(
             f"tracedac recompute_all ({default}) step / torch checkpoint", ratio(recompute, "torch"), 0.95

@@ -515,51 +515,47 @@ def test_tracked_counts_the_copies_each_way_once_and_nothing_outside_it(monkeypa
     assert step.stalled_s == 0.0 and "out: 1 copies, 256 B; back: 1 copies, 256 B" in repr(step)
 
 
-def _doubled_sin(x, w):
-    return ((x @ w) * 2).sin()  # mul by a number saves nothing; sin saves its input
+def _three_regions():
+    """Three regions offloading both matmuls of ``(x @ w).tanh() @ w``, the same unchecked, the
+    inputs, and the copies (and bytes) backward reads: each region's first matmul result."""
+    blocks, ws, x = _three_offloaded_regions()
+    plain = [lambda t, w=w: (t @ w).tanh() @ w for w in ws]
+    return blocks, plain, [x, *ws], 3, 3 * 8 * 16 * 4
+
+
+def _doubled_sin():
+    """``((x @ w) * 2).sin()`` under ``offload_kept(save_all())``: only sin's input is read."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+    plain = [lambda t: ((t @ w) * 2).sin()]  # mul by a number saves nothing; sin saves its input
+    blocks = [checkpoint(plain[0], policy=policies.offload_kept(policies.save_all()))]
+    return blocks, plain, [x.requires_grad_(), w.requires_grad_()], 1, 8 * 4 * 4
 
 
 @pytest.mark.parametrize(
-    "case",
-    ["three regions, offload_ops(mm)", "offload_kept(save_all())"],
+    "case", [_three_regions, _doubled_sin], ids=["three regions, offload_ops(mm)", "offload_kept(save_all())"]
 )
 def test_only_what_backward_reads_crosses_the_link(monkeypatch, case):
     """A result the policy offloads is copied when autograd saves it, or at the region's end
     if replay starts from it; one that backward never reads is never copied. Before, every
     offloaded result was copied when made: twice the bytes here, and 1.7x in the Llama bench
     under ``offload_kept(save_all())``, link time spent for nothing.
-    - Three regions offloading both matmuls of ``(x @ w).tanh() @ w``: the first result is
-      saved by nobody (tanh saves its output) but replay of tanh starts from it, so it goes
-      out at the region's end; the second is the region's output, which the next region
-      holds as it came, and the last one's nobody saves.
-    - ``offload_kept(save_all())`` on ``((x @ w) * 2).sin()``: only sin's input leaves; the
-      matmul's result (saved by nobody, replayed for nothing) and sin's (the output) do not."""
+    - Three regions: each first matmul result is saved by nobody (tanh saves its output) but
+      replay of tanh starts from it, so it goes out at the region's end; the second is the
+      region's output, which the next region holds as it came, and the last one's nobody saves.
+    - ``offload_kept(save_all())``: only sin's input leaves; the matmul's result (saved by
+      nobody, replayed for nothing) and sin's (the output) do not."""
     from tracedac import offload
 
     _BringBacks(monkeypatch)
-    if case.startswith("three"):
-        blocks, ws, x = _three_offloaded_regions()
-        inputs = [x, *ws]
+    blocks, plain, inputs, copies, nbytes = case()
 
-        def forward(fs):
-            h = x
-            for f in fs:
-                h = f(h)
-            return h.sum()
+    def forward(fs):
+        h = inputs[0]
+        for f in fs:
+            h = f(h)
+        return h.sum()
 
-        plain = [lambda t, w=w: (t @ w).tanh() @ w for w in ws]
-        copies, nbytes = 3, 3 * 8 * 16 * 4
-    else:
-        g = torch.Generator().manual_seed(0)
-        inputs = [torch.randn(8, 16, generator=g).requires_grad_(), torch.randn(16, 4, generator=g)]
-        inputs[1].requires_grad_()
-        blocks = [checkpoint(_doubled_sin, policy=policies.offload_kept(policies.save_all()))]
-        plain = [_doubled_sin]
-
-        def forward(fs):
-            return fs[0](*inputs).sum()
-
-        copies, nbytes = 1, 8 * 4 * 4
     with offload.tracked() as c:
         got = torch.autograd.grad(forward(blocks), inputs)
     want = torch.autograd.grad(forward(plain), inputs)
