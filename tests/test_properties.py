@@ -1,6 +1,8 @@
 """Random programs under random policies give eager's gradients, and side effects run once."""
 
 import zlib
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
-from tracedac import checkpoint, policies
+from tracedac import CheckpointError, checkpoint, offload, policies
 from tracedac.replay import fill_fresh_with_nan
 
 aten = torch.ops.aten
@@ -146,6 +148,7 @@ def run(program, x, w, state, labels):
         if step in labels:
             tracedac.name(out, f"t{step}")
         pool.append(out)
+    state.get("pool", []).extend(pool[1:])  # (a test that writes them after the forward asks)
     return sum(t.sigmoid().sum() for t in pool[1:])
 
 
@@ -209,3 +212,86 @@ def test_random_programs_under_random_policies_match_eager_and_run_python_once(p
     assert calls1 == calls0, "Python ran once"
     for a, b in zip(written1, written0, strict=True):
         assert torch.equal(a, b), "every buffer ends as in eager"
+
+
+def offload_policy(which, seed):
+    """Policies that offload: per op, per label, what another policy keeps, the region's inputs,
+    and the planners choosing among keep, offload and replay over a link from none to free."""
+    link = policies.Link(bandwidth=(0.0, 1e6, 1e9, float("inf"))[seed % 4], flop_rate=1e9)
+    if which == 0:
+        return policies.offload_ops(aten.sin, aten.mm, aten.mul.Tensor, aten.relu_, aten.tanh)
+    if which == 1:
+        return policies.offload_kept(policies.save_all())
+    if which == 2:
+        return policies.offload_inputs(policies.offload_kept(policies.save_matmuls()))
+    if which == 3:
+        return policies.offload_inputs()
+    if which == 4:
+        return policies.memory_budget((seed % 11) / 10, offload=link)
+    if which == 5:
+        return policies.min_cut(replay_matmuls=seed % 2 == 0, offload=link)
+    if which == 6:
+        return policies.either(policies.offload_names("t1", "t3"), policies.save_names("t2", "t4"))
+    return policies.offload_inputs(policies.memory_budget((seed % 5) / 4, offload=link))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    program=programs,
+    which=st.integers(0, 7),
+    seed=st.integers(0, 2**16),
+    labels=st.sets(st.integers(0, 11)),
+    served=st.booleans(),
+    nested=st.booleans(),
+    poke=st.integers(0, 8),
+    twice=st.booleans(),
+)
+def test_random_programs_under_offload_policies_give_eagers_gradients_or_refuse_a_later_write(
+    program, which, seed, labels, served, nested, poke, twice
+):
+    """Offload policies, copies served as on a GPU (a separate tensor comes back) or in place,
+    regions nested or not. ``poke`` writes, after the forward, a tensor the program read or wrote
+    (a buffer, an input) or one it computed (what eager refuses only if autograd saved that
+    tensor): tracedac gives the gradient of the values the forward saw, or refuses naming the
+    write; ``twice``: a second backward through the retained graph."""
+    torch.manual_seed(seed)
+    x = torch.randn(SHAPE, requires_grad=True)
+    w = (torch.randn(6, 6) / 3).requires_grad_()
+
+    def outer_of(inner):
+        return lambda program, x, w, state, labels: inner(program, x.cos() * 1.0, w, state, labels)
+
+    base, fn = run, checkpoint(run, policy=offload_policy(which, seed))
+    if nested:
+        outer = offload_policy((which + seed) % 8, seed // 3)
+        base, fn = outer_of(run), checkpoint(outer_of(fn), policy=outer)
+
+    def attempt(fn, poke):
+        state = {**make_state(seed), "pool": []}
+        torch.manual_seed(seed + 1)
+        loss = fn(program, x, w, state, labels)
+        if poke:
+            pool = state["pool"]
+            written = [*final_state(state), x, w, pool[seed % len(pool)]][poke - 1]
+            with torch.no_grad():
+                written.mul_(1.5).add_(0.25)
+        grads = []
+        for retain in (True, False)[not twice :]:
+            grads += torch.autograd.grad(
+                loss, (x, w), allow_unused=True, materialize_grads=True, retain_graph=retain
+            )
+        return loss, grads, state["calls"]
+
+    loss0, grads0, calls0 = attempt(base, 0)  # the values the forward saw, never poked
+    serving = mock.patch.object(offload, "_in_place", lambda device: False) if served else nullcontext()
+    try:
+        with serving, fill_fresh_with_nan():
+            loss1, grads1, calls1 = attempt(fn, poke)
+    except CheckpointError as e:
+        assert poke and "modified in place after the forward" in str(e), e
+        return
+    bitwise = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(loss1, loss0, **bitwise)
+    for a, b in zip(grads1, grads0, strict=True):
+        torch.testing.assert_close(a, b, **bitwise)
+    assert calls1 == calls0, "Python ran once"
