@@ -384,6 +384,90 @@ def test_a_buffer_backward_needs_changed_after_the_forward_is_an_error():
         out.sum().backward()
 
 
+class Balanced(nn.Module):
+    """Writes a buffer in the forward and reads it there: an expert bias updated from the tokens
+    it routes, then added to the scores (``after``), or read before it is updated (not)."""
+
+    def __init__(self, after: bool):
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+        self.register_buffer("bias", torch.zeros(16))
+        self.after = after
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.after:
+            self.bias.add_(h.detach().mean(0))
+        out = (h + self.bias).tanh() * h.sigmoid()
+        if not self.after:
+            self.bias.add_(h.detach().mean(0))
+        return out
+
+
+def balanced(after: bool, policy, blocks: int = 2):
+    torch.manual_seed(0)
+    m = nn.Sequential(*[Balanced(after) for _ in range(blocks)])
+    if policy is not None:
+        tracedac.wrap(m, Balanced, policy=policy)
+    return m
+
+
+@pytest.mark.parametrize("after", [True, False], ids=["written then read", "read then written"])
+@pytest.mark.parametrize(
+    "policy, backend",
+    [
+        (policies.recompute_all(), BACKEND),
+        (policies.save_matmuls(), BACKEND),
+        (policies.memory_budget(0.5), BACKEND),
+        (policies.recompute_all(), "inductor"),
+    ],
+    ids=["recompute_all", "save_matmuls", "memory_budget(0.5)", "recompute_all-inductor"],
+)
+def test_a_buffer_the_region_writes_and_reads_compiles_with_eagers_gradients_and_one_write(
+    policy, backend, after
+):
+    """Compiled, the buffer is written during the forward, and a replay reading it reads the
+    written value: under inductor (the write a ``copy_`` in the graph) a silently wrong
+    gradient, the update applied twice ("written then read") or the derivative taken at the
+    written bias ("read then written"), which torch's compiled checkpoint returns (and
+    torch.compile without checkpointing too, for the second); under ``aot_eager`` (the write
+    copied in after the forward) autograd's refusal of the saved buffer. The region's first op
+    on the buffer is saved instead, and gradients and buffers are eager's over two steps."""
+    eager, ckpt = balanced(after, None), balanced(after, policy, blocks=1 if backend == "inductor" else 2)
+    if backend == "inductor":
+        eager = eager[:1]
+    compiled = torch.compile(ckpt, backend=backend, fullgraph=True)
+    for s in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(s))
+        for a, b in zip(step(eager, x), step(compiled, x), strict=True):
+            torch.testing.assert_close(b, a)
+    for (name, a), (_, b) in zip(eager.named_buffers(), ckpt.named_buffers(), strict=True):
+        torch.testing.assert_close(b, a, msg=f"buffer {name}")
+
+
+def test_must_recompute_on_what_reads_a_buffer_the_region_writes_is_refused_compiled():
+    """Such an op cannot be replayed right compiled (above): the policy's MUST is refused at
+    compile time, naming the op and what to return instead; eagerly the same region runs. A
+    buffer written and not read again in the region (the router's token counter) is no reason."""
+
+    def must_recompute(node):
+        return CheckpointPolicy.MUST_RECOMPUTE
+
+    x = torch.randn(8, 16)
+    eager = balanced(True, must_recompute)
+    step(eager, x)
+    with pytest.raises(Exception) as err:
+        step(torch.compile(balanced(True, must_recompute), backend=BACKEND, fullgraph=True), x)
+    cause = getattr(err.value, "inner_exception", err.value)  # dynamo wraps a backend's error
+    assert isinstance(cause, CheckpointError), repr(err.value)
+    assert "says MUST_RECOMPUTE for aten.add.Tensor" in str(cause)
+    assert "Return PREFER_RECOMPUTE or MUST_SAVE for it" in str(cause)
+    torch._dynamo.reset()
+    m = model(must_recompute)
+    step(torch.compile(m, backend=BACKEND, fullgraph=True), X)
+    assert m[0].tokens.sum() == 8
+
+
 def test_compiled_function_inside_an_eager_region_gives_eager_gradients_and_writes():
     """A function compiled by inductor, called inside an eager region, that writes a tensor the
     region made: its fused kernel writes without an op the recorder sees, so it must run eagerly

@@ -137,6 +137,23 @@ def graph_input_sources(gm) -> list[str | None]:
     return out
 
 
+def mutated_inputs(graph) -> list:
+    """The placeholders of an AOTAutograd joint graph that the compiled program writes in place,
+    either way AOTAutograd writes them: as an ``aten.copy_`` into the placeholder in the graph
+    (inductor keeps an input's mutation in the graph), or as a new value the graph returns and
+    the runtime copies in after the forward (``aot_eager``; the output's descriptor is an
+    ``InputMutationAOTOutput``, torch 2.11 to 2.15, none on a torch without descriptors)."""
+    written = {n.args[0] for n in graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)}
+    try:
+        from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+    except ImportError:
+        InputMutationAOTOutput = ()
+    (output,) = graph.find_nodes(op="output")
+    descs = output.meta.get("desc") or ()
+    returned = {d.mutated_input for d in descs if isinstance(d, InputMutationAOTOutput)}
+    return [p for p in graph.find_nodes(op="placeholder") if p in written or p.meta.get("desc") in returned]
+
+
 def op_effect(op):
     """The effect ``op`` was registered with (``register_effect`` of a ``torch.library`` op,
     torch's own ``_register_effectful_op``), or None. ``_get_effect`` in torch 2.10 to 2.13."""

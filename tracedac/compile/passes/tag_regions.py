@@ -40,6 +40,7 @@ import warnings
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..._compat import mutated_inputs
 from ...decisions import (
     MUST_RECOMPUTE,
     MUST_SAVE,
@@ -277,6 +278,58 @@ def _tag(view, wanted: set, ac_graph_id: int, nodes: list) -> None:
             del n.meta["ac_graph_id"]
 
 
+def _save_what_reads_a_written_input(graph: torch.fx.Graph, run_of: dict, runs: list, backward: set) -> None:
+    """A region's op reading an input the graph writes in place (a buffer: a token counter, an
+    expert bias, running statistics, updated in the region and read there) is ``MUST_SAVE``.
+
+    Compiled, the input is written during the forward, and a replay in backward reading it
+    reads the new value. Under inductor (the write is a ``copy_`` in the graph) the replay
+    silently computes from it: ``bias.add_(m); (x + bias)`` replayed adds ``m`` twice, and
+    ``(x * bias.tanh()); bias.add_(m)`` differentiates at the written bias, both wrong
+    gradients that torch's compiled checkpoint returns. Under ``aot_eager`` (the write copied
+    in after the forward) autograd refuses the saved input as "modified by an inplace
+    operation". Saving the region's first op on the input instead leaves replay nothing of
+    the input to read: eager tracedac, which replays from a copy taken before the write, keeps
+    as much. Only an op whose value backward reads, directly or through what it replays, is
+    tagged (the partitioner without min cut saves every ``MUST_SAVE``). An op the policy says
+    ``MUST_RECOMPUTE`` there is refused: it cannot be replayed right."""
+    for p in mutated_inputs(graph):
+        todo = list(p.users)
+        while todo:
+            n = todo.pop()
+            if n.op != "call_function" or n.target is torch.ops.aten.copy_.default:  # (the write)
+                continue
+            if isinstance(n.target, torch._ops.OpOverload) and n.target.is_view:
+                todo.extend(n.users)  # read through a view, inside a region or not
+            elif n not in run_of or not _reaches(n, backward):
+                continue
+            elif n.meta.get("recompute") is MUST_RECOMPUTE:
+                policy, name = SPECS[runs[run_of[n] - 1][0]]
+                raise CheckpointError(
+                    f"region {name!r}: policy {policy!r} says MUST_RECOMPUTE for {n.target} (node "
+                    f"{n.name!r}), which reads an input the compiled graph writes in place later "
+                    f"({p.name!r}, a buffer the region updates). Replayed in backward it would read the "
+                    "written value: a wrong gradient under inductor. Return PREFER_RECOMPUTE or "
+                    "MUST_SAVE for it (tracedac then saves it), or run the region eagerly, where "
+                    "replay reads a copy taken before the write."
+                )
+            else:
+                n.meta["recompute"] = n.meta[DECISION] = MUST_SAVE
+
+
+def _reaches(n: torch.fx.Node, backward: set) -> bool:
+    """Whether backward reads ``n`` or a forward value computed from it."""
+    seen, todo = {n}, [n]
+    while todo:
+        for u in todo.pop().users:
+            if u in backward:
+                return True
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return False
+
+
 def _free_to_rebuild(n: torch.fx.Node) -> bool:
     """A value made from no tensor (``iota``, ``full``, ``arange``), not random, that the region
     replays: it keeps its RECOMPUTE tag but gets no ``ac_graph_id``, so the partitioner
@@ -339,6 +392,7 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 )
         _decide(view, policy, wanted, baseline, later)
         _tag(view, wanted, ac_graph_id, nodes)
+    _save_what_reads_a_written_input(graph, run_of, runs, backward)
     graph.lint()
     gm.recompile()
     return gm
