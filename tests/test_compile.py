@@ -384,35 +384,43 @@ def test_a_buffer_backward_needs_changed_after_the_forward_is_an_error():
         out.sum().backward()
 
 
+ORDERS = ("written then read", "read then written", "sorted then written")
+
+
 class Balanced(nn.Module):
     """Writes a buffer in the forward and reads it there: an expert bias updated from the tokens
-    it routes, then added to the scores (``after``), or read before it is updated (not)."""
+    it routes, then added to the scores, or read before it is updated (by an op with one result,
+    or by ``sort``, which has two)."""
 
-    def __init__(self, after: bool):
+    def __init__(self, order: str):
         super().__init__()
         self.up = nn.Linear(16, 16)
         self.register_buffer("bias", torch.zeros(16))
-        self.after = after
+        self.order = order
 
     def forward(self, x):
         h = self.up(x)
-        if self.after:
+        if self.order == "written then read":
             self.bias.add_(h.detach().mean(0))
-        out = (h + self.bias).tanh() * h.sigmoid()
-        if not self.after:
+        if self.order == "sorted then written":
+            ranked, order = self.bias.sort()
+            out = (h + ranked).tanh() * h.index_select(1, order).sigmoid()
+        else:
+            out = (h + self.bias).tanh() * h.sigmoid()
+        if self.order != "written then read":
             self.bias.add_(h.detach().mean(0))
         return out
 
 
-def balanced(after: bool, policy, blocks: int = 2):
+def balanced(order: str, policy, blocks: int = 2):
     torch.manual_seed(0)
-    m = nn.Sequential(*[Balanced(after) for _ in range(blocks)])
+    m = nn.Sequential(*[Balanced(order) for _ in range(blocks)])
     if policy is not None:
         tracedac.wrap(m, Balanced, policy=policy)
     return m
 
 
-@pytest.mark.parametrize("after", [True, False], ids=["written then read", "read then written"])
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize(
     "policy, backend",
     [
@@ -424,7 +432,7 @@ def balanced(after: bool, policy, blocks: int = 2):
     ids=["recompute_all", "save_matmuls", "memory_budget(0.5)", "recompute_all-inductor"],
 )
 def test_a_buffer_the_region_writes_and_reads_compiles_with_eagers_gradients_and_one_write(
-    policy, backend, after
+    policy, backend, order
 ):
     """Compiled, the buffer is written during the forward, and a replay reading it reads the
     written value: under inductor (the write a ``copy_`` in the graph) a silently wrong
@@ -432,8 +440,10 @@ def test_a_buffer_the_region_writes_and_reads_compiles_with_eagers_gradients_and
     written bias ("read then written"), which torch's compiled checkpoint returns (and
     torch.compile without checkpointing too, for the second); under ``aot_eager`` (the write
     copied in after the forward) autograd's refusal of the saved buffer. The region's first op
-    on the buffer is saved instead, and gradients and buffers are eager's over two steps."""
-    eager, ckpt = balanced(after, None), balanced(after, policy, blocks=1 if backend == "inductor" else 2)
+    on the buffer is saved instead (``sort``'s two results through their getitems: saving the
+    op alone left the partitioner no partition), and gradients and buffers are eager's over
+    two steps."""
+    eager, ckpt = balanced(order, None), balanced(order, policy, blocks=1 if backend == "inductor" else 2)
     if backend == "inductor":
         eager = eager[:1]
     compiled = torch.compile(ckpt, backend=backend, fullgraph=True)
@@ -454,10 +464,10 @@ def test_must_recompute_on_what_reads_a_buffer_the_region_writes_is_refused_comp
         return CheckpointPolicy.MUST_RECOMPUTE
 
     x = torch.randn(8, 16)
-    eager = balanced(True, must_recompute)
+    eager = balanced(ORDERS[0], must_recompute)
     step(eager, x)
     with pytest.raises(Exception) as err:
-        step(torch.compile(balanced(True, must_recompute), backend=BACKEND, fullgraph=True), x)
+        step(torch.compile(balanced(ORDERS[0], must_recompute), backend=BACKEND, fullgraph=True), x)
     cause = getattr(err.value, "inner_exception", err.value)  # dynamo wraps a backend's error
     assert isinstance(cause, CheckpointError), repr(err.value)
     assert "says MUST_RECOMPUTE for aten.add.Tensor" in str(cause)

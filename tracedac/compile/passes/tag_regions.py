@@ -293,15 +293,19 @@ def _save_what_reads_a_written_input(graph: torch.fx.Graph, run_of: dict, runs: 
     as much. Only an op whose value backward reads, directly or through what it replays, is
     tagged (the partitioner without min cut saves every ``MUST_SAVE``). An op the policy says
     ``MUST_RECOMPUTE`` there is refused: it cannot be replayed right."""
-    for p in mutated_inputs(graph):
+    written = mutated_inputs(graph)
+    read = _read_by_backward(graph, backward) if written else set()
+    seen: set = set()
+    for p in written:
         todo = list(p.users)
         while todo:
             n = todo.pop()
-            if n.op != "call_function" or n.target is torch.ops.aten.copy_.default:  # (the write)
-                continue
+            if n in seen or n.op != "call_function" or n.target is torch.ops.aten.copy_.default:
+                continue  # (the copy_: the write itself)
+            seen.add(n)
             if isinstance(n.target, torch._ops.OpOverload) and n.target.is_view:
                 todo.extend(n.users)  # read through a view, inside a region or not
-            elif n not in run_of or not _reaches(n, backward):
+            elif n not in run_of or n not in read:
                 continue
             elif n.meta.get("recompute") is MUST_RECOMPUTE:
                 policy, name = SPECS[runs[run_of[n] - 1][0]]
@@ -314,20 +318,19 @@ def _save_what_reads_a_written_input(graph: torch.fx.Graph, run_of: dict, runs: 
                     "replay reads a copy taken before the write."
                 )
             else:
-                n.meta["recompute"] = n.meta[DECISION] = MUST_SAVE
+                # (a multi-output op is saved through its getitems, as ``_tag`` saves one)
+                parts = [u for u in n.users if u.target is operator.getitem and u in read]
+                for m in (n, *parts):
+                    m.meta["recompute"] = m.meta[DECISION] = MUST_SAVE
 
 
-def _reaches(n: torch.fx.Node, backward: set) -> bool:
-    """Whether backward reads ``n`` or a forward value computed from it."""
-    seen, todo = {n}, [n]
-    while todo:
-        for u in todo.pop().users:
-            if u in backward:
-                return True
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return False
+def _read_by_backward(graph: torch.fx.Graph, backward: set) -> set:
+    """The forward nodes whose value backward reads, directly or through a value computed from it."""
+    read: set = set()
+    for n in reversed(graph.nodes):
+        if n not in backward and any(u in backward or u in read for u in n.users):
+            read.add(n)
+    return read
 
 
 def _free_to_rebuild(n: torch.fx.Node) -> bool:
