@@ -14,7 +14,7 @@ import torch._dynamo
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_properties import SHAPE, TABLE, final_state, make_state, random_policy, run
+from tests.test_properties import TABLE, attempt, inputs, random_policy, run
 from tracedac import checkpoint
 
 RANDOM = {"dropout", "noise", "rrelu"}
@@ -32,22 +32,12 @@ programs = st.lists(
 def test_random_programs_compiled_with_their_regions_give_eagers_gradients_and_buffers(
     program, which, seed, labels
 ):
-    torch.manual_seed(seed)
-    x = torch.randn(SHAPE, requires_grad=True)
-    w = (torch.randn(6, 6) / 3).requires_grad_()
-
-    def attempt(fn):
-        state = make_state(seed)
-        torch.manual_seed(seed + 1)
-        loss = fn(program, x, w, state, labels)
-        grads = torch.autograd.grad(loss, (x, w), allow_unused=True, materialize_grads=True)
-        return loss, grads, final_state(state), state["calls"]
-
+    x, w = inputs(seed)
     torch._dynamo.reset()  # each program compiles afresh: no recompile limit carried over
-    loss0, grads0, written0, calls0 = attempt(run)
+    loss0, grads0, written0, calls0 = attempt(run, program, x, w, seed, labels)
     region = checkpoint(run, policy=random_policy(which, seed))
     compiled = torch.compile(region, backend="aot_eager_decomp_partition", fullgraph=True)
-    loss1, grads1, written1, calls1 = attempt(compiled)
+    loss1, grads1, written1, calls1 = attempt(compiled, program, x, w, seed, labels)
     close = dict(rtol=1e-4, atol=1e-5, equal_nan=True)  # decompositions move the last bits
     torch.testing.assert_close(loss1, loss0, **close)
     for a, b in zip(grads1, grads0, strict=True):

@@ -184,27 +184,34 @@ programs = st.lists(
 )
 
 
+def inputs(seed):
+    """The program's x and w for ``seed``."""
+    torch.manual_seed(seed)
+    return torch.randn(SHAPE, requires_grad=True), (torch.randn(6, 6) / 3).requires_grad_()
+
+
+def attempt(fn, program, x, w, seed, labels):
+    """``fn``'s loss and gradients on a fresh state, the buffers as they ended, the Python calls;
+    the generator left where the forward left it (replay draws on saved states)."""
+    state = make_state(seed)
+    torch.manual_seed(seed + 1)
+    loss = fn(program, x, w, state, labels)
+    after_forward = torch.get_rng_state()
+    grads = torch.autograd.grad(loss, (x, w), allow_unused=True, materialize_grads=True)
+    assert torch.equal(torch.get_rng_state(), after_forward), "replay left the generator where it was"
+    return loss, grads, final_state(state), state["calls"]
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     program=programs, which=st.integers(0, 8), seed=st.integers(0, 2**16), labels=st.sets(st.integers(0, 11))
 )
 def test_random_programs_under_random_policies_match_eager_and_run_python_once(program, which, seed, labels):
-    torch.manual_seed(seed)
-    x = torch.randn(SHAPE, requires_grad=True)
-    w = (torch.randn(6, 6) / 3).requires_grad_()
-
-    def attempt(fn):
-        state = make_state(seed)
-        torch.manual_seed(seed + 1)
-        loss = fn(program, x, w, state, labels)
-        after_forward = torch.get_rng_state()
-        grads = torch.autograd.grad(loss, (x, w), allow_unused=True, materialize_grads=True)
-        assert torch.equal(torch.get_rng_state(), after_forward), "replay left the generator where it was"
-        return loss, grads, final_state(state), state["calls"]
-
-    loss0, grads0, written0, calls0 = attempt(run)
+    x, w = inputs(seed)
+    loss0, grads0, written0, calls0 = attempt(run, program, x, w, seed, labels)
     with fill_fresh_with_nan():  # a replay reading memory it never wrote shows as NaN
-        loss1, grads1, written1, calls1 = attempt(checkpoint(run, policy=random_policy(which, seed)))
+        region = checkpoint(run, policy=random_policy(which, seed))
+        loss1, grads1, written1, calls1 = attempt(region, program, x, w, seed, labels)
     bitwise = dict(rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(loss1, loss0, **bitwise)
     for a, b in zip(grads1, grads0):
@@ -254,9 +261,7 @@ def test_random_programs_under_offload_policies_give_eagers_gradients_or_refuse_
     (a buffer, an input) or one it computed (what eager refuses only if autograd saved that
     tensor): tracedac gives the gradient of the values the forward saw, or refuses naming the
     write; ``twice``: a second backward through the retained graph."""
-    torch.manual_seed(seed)
-    x = torch.randn(SHAPE, requires_grad=True)
-    w = (torch.randn(6, 6) / 3).requires_grad_()
+    x, w = inputs(seed)
 
     def outer_of(inner):
         return lambda program, x, w, state, labels: inner(program, x.cos() * 1.0, w, state, labels)
