@@ -271,7 +271,7 @@ def test_random_programs_under_offload_policies_give_eagers_gradients_or_refuse_
         outer = offload_policy((which + seed) % 8, seed // 3)
         base, fn = outer_of(run), checkpoint(outer_of(fn), policy=outer)
 
-    def attempt(fn, poke):
+    def attempt_writing(fn, poke):  # attempt(), then the write after the forward
         state = {**make_state(seed), "pool": []}
         torch.manual_seed(seed + 1)
         loss = fn(program, x, w, state, labels)
@@ -287,11 +287,11 @@ def test_random_programs_under_offload_policies_give_eagers_gradients_or_refuse_
             )
         return loss, grads, state["calls"]
 
-    loss0, grads0, calls0 = attempt(base, 0)  # the values the forward saw, never poked
+    loss0, grads0, calls0 = attempt_writing(base, 0)  # the values the forward saw, never poked
     serving = mock.patch.object(offload, "_in_place", lambda device: False) if served else nullcontext()
     try:
         with serving, fill_fresh_with_nan():
-            loss1, grads1, calls1 = attempt(fn, poke)
+            loss1, grads1, calls1 = attempt_writing(fn, poke)
     except CheckpointError as e:
         assert poke and "modified in place after the forward" in str(e), e
         return
