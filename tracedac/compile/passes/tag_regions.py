@@ -295,19 +295,11 @@ def _save_what_reads_a_written_input(graph: torch.fx.Graph, run_of: dict, runs: 
     ``MUST_RECOMPUTE`` there is refused: it cannot be replayed right."""
     written = mutated_inputs(graph)
     read = _read_by_backward(graph, backward) if written else set()
-    seen: set = set()
     for p in written:
-        todo = list(p.users)
-        while todo:
-            n = todo.pop()
-            if n in seen or n.op != "call_function" or n.target is torch.ops.aten.copy_.default:
-                continue  # (the copy_: the write itself)
-            seen.add(n)
-            if isinstance(n.target, torch._ops.OpOverload) and n.target.is_view:
-                todo.extend(n.users)  # read through a view, inside a region or not
-            elif n not in run_of or n not in read:
+        for n in _readers(p):
+            if n not in run_of or n not in read:
                 continue
-            elif n.meta.get("recompute") is MUST_RECOMPUTE:
+            if n.meta.get("recompute") is MUST_RECOMPUTE:
                 policy, name = SPECS[runs[run_of[n] - 1][0]]
                 raise CheckpointError(
                     f"region {name!r}: policy {policy!r} says MUST_RECOMPUTE for {n.target} (node "
@@ -317,11 +309,26 @@ def _save_what_reads_a_written_input(graph: torch.fx.Graph, run_of: dict, runs: 
                     "MUST_SAVE for it (tracedac then saves it), or run the region eagerly, where "
                     "replay reads a copy taken before the write."
                 )
-            else:
-                # (a multi-output op is saved through its getitems, as ``_tag`` saves one)
-                parts = [u for u in n.users if u.target is operator.getitem and u in read]
-                for m in (n, *parts):
-                    m.meta["recompute"] = m.meta[DECISION] = MUST_SAVE
+            # (a multi-output op is saved through its getitems, as ``_tag`` saves one)
+            parts = [u for u in n.users if u.target is operator.getitem and u in read]
+            for m in (n, *parts):
+                m.meta["recompute"] = m.meta[DECISION] = MUST_SAVE
+
+
+def _readers(p: torch.fx.Node) -> list:
+    """The ops that read placeholder ``p``, directly or through views (not the ``copy_`` that
+    writes it)."""
+    readers, seen, todo = [], set(), list(p.users)
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function" or n.target is torch.ops.aten.copy_.default:
+            continue
+        seen.add(n)
+        if getattr(n.target, "is_view", False):
+            todo.extend(n.users)
+        else:
+            readers.append(n)
+    return readers
 
 
 def _read_by_backward(graph: torch.fx.Graph, backward: set) -> set:
