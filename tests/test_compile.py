@@ -182,6 +182,31 @@ def test_a_higher_order_op_in_a_region_gives_exact_gradients_and_a_warning():
         torch.testing.assert_close(a, b)
 
 
+def test_an_effectful_op_in_a_region_runs_once_and_draws_no_higher_order_warning(capfd):
+    """An op registered with an effect (``aten._print``; zero's ``release`` at a unit's end)
+    traces to ``with_effects``, a higher-order op that only threads a token: the partitioner
+    keeps it in the forward, so nothing is replayed whole and no warning says so."""
+    import warnings
+
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def body(x):
+        torch.ops.aten._print("tracedac-effect")
+        return (x @ w).relu().sum()
+
+    x = X.clone().requires_grad_()
+    f = torch.compile(
+        tracedac.checkpoint(body, policy=policies.save_matmuls()), backend=BACKEND, fullgraph=True
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="tracedac")
+        got = torch.autograd.grad(f(x), (x, w))
+    assert capfd.readouterr().out.count("tracedac-effect") == 1
+    want = torch.autograd.grad((x @ w).relu().sum(), (x, w))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_split_results_are_views_of_the_projection_a_full_budget_keeps():
     """``split`` returns views of its input: in a compiled region's graph they share the QKV
     projection's storage, so memory_budget(1.0) keeps the projection and backward does not

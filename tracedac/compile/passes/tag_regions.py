@@ -124,15 +124,18 @@ def untagged_saved(gm: torch.fx.GraphModule) -> set | None:
 
 
 _WARNED: set = set()
+_WITH_EFFECTS = torch.ops.higher_order.with_effects
 
 
 def _warn_opaque(key: str, nodes: list) -> None:
     """A higher-order op in a region (``invoke_subgraph`` from ``nested_compile_region``, a
     ``flex_attention``...) is one node whose inside no policy sees: say so, once per region
     and op. Gradients stay exact; what it saves is the partitioner's default (a
-    PREFER_RECOMPUTE tag: usually replayed whole in backward)."""
+    PREFER_RECOMPUTE tag: usually replayed whole in backward). ``with_effects`` is no such
+    op: it threads an effect token through one op (a ``print``, zero's ``release``), which the
+    partitioner keeps in the forward, and holds nothing a policy would decide on."""
     for n in nodes:
-        if isinstance(n.target, torch._ops.HigherOrderOperator):
+        if isinstance(n.target, torch._ops.HigherOrderOperator) and n.target is not _WITH_EFFECTS:
             name = getattr(n.target, "_name", None) or str(n.target)
             if (key, name) not in _WARNED:
                 _WARNED.add((key, name))
