@@ -18,7 +18,7 @@ from .spawn import part, run_ranks
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 
-PARTS = ("train", "collectives", "mixed", "refusals")
+PARTS = ("train", "collectives", "mixed", "auto", "compiled", "refusals")
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,8 @@ def reference():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("tp"))
-    parts = [(name, (tmp,) if name == "train" else ()) for name in PARTS]
-    return run_ranks(tw.several, 4, parts, timeout=240)
+    parts = [(name, (tmp,) if name in ("train", "compiled") else ()) for name in PARTS]
+    return run_ranks(tw.several, 4, parts, timeout=480)
 
 
 def _close(a, b, tol):
@@ -124,28 +124,85 @@ def test_mixed_precision_gathers_bf16_tp_weights_and_trains_as_autocast_would(ra
         _close(r["losses"], want, 2e-3)
 
 
+@pytest.mark.parametrize("case", tw.COMPILED, ids=lambda c: "-".join(map(str, c)))
+def test_compiled_zero_with_tp_trains_as_eager_and_as_one_process(ranks, reference, case):
+    """Blocks compiled one by one (torchtitan's order) or the whole model, with regions or
+    without, aot_eager_decomp_partition or inductor: the losses, gradient norms and parameters
+    of eager zero + TP and of one process on the whole batch. The norm is taken of the model
+    ``torch.compile`` returned (``zero.clip_grad_norm_`` reads the model it compiled)."""
+    eager = part(ranks, "train")
+    for r, e in zip(part(ranks, "compiled"), eager, strict=True):
+        got = r[case]
+        _close(got["losses"], e["losses"], 1e-6)
+        _close(got["norms"], e["norms"], 1e-6)
+        _close(got["losses"], reference["losses"], 1e-5)
+    params = part(ranks, "compiled")[0][case]["params"]  # full_state_dict of what was compiled
+    assert params.keys() == reference["params"].keys()  # the model's keys: no "_orig_mod."
+    for name, want in reference["params"].items():
+        assert float((params[name] - want).abs().max()) <= 1e-5, name
+
+
+def test_a_checkpoint_saved_from_the_compiled_model_loads_into_an_eager_one_exactly(ranks):
+    """``save_checkpoint`` handed what ``torch.compile(model)`` returned writes the model's own
+    keys: a fresh eager zero + TP model loads them and holds the trained parameters."""
+    for r in part(ranks, "compiled"):
+        assert r[tw.COMPILED[1]]["loaded"] == 0.0
+
+
 @pytest.mark.parametrize(
-    "case, message",
-    [
-        (
-            "auto",
-            r'MixedPrecision\("auto"\).*blocks\.0\.up\.weight.*MixedPrecision\(param_dtype=torch.bfloat16\)',
-        ),
-        (
-            "world",
-            r"blocks\.0\.up\.weight.*no dimension is the process group.*\[0, 1, 2, 3\].*group=mesh",
-        ),
-        (
-            "compiled",
-            r"tensor-parallel \(DTensor\) parameters is being compiled.*Run the sharded model eagerly",
-        ),
-    ],
+    "case", [c for c in tw.COMPILED if c[2] != "inductor"], ids=lambda c: "-".join(map(str, c))
 )
-def test_what_zero_with_tp_cannot_do_yet_is_refused_on_every_rank_saying_what_to_do(ranks, case, message):
-    """MixedPrecision("auto") cannot follow a gathered weight into the DTensor TP makes of it;
-    sharding over the whole world would mix TP's ranks into dp; compiled passes read gathered
-    parameters as plain tensors. Each raises ZeroError at the call, on every rank."""
+def test_compiled_zero_with_tp_gathers_again_in_backward_and_issues_each_all_reduce_once(ranks, case):
+    """The graphs torch's partitioner made: every unit gathered in forward and again in
+    backward, no gathered parameter (nor the DTensor weight made from it) saved for backward,
+    and each block's TP all-reduce issued once, in forward, as eager zero + TP does (backward's
+    all-reduces are the TP backward's own: as many as eager's backward issues)."""
+    how = case[0]
+    units = tw.BLOCKS if how == "per-block" else tw.BLOCKS + 1  # the root unit: compiled whole only
+    eager_backward = part(ranks, "collectives")[0][True][1]["_c10d_functional.all_reduce.default"]
+    for r in part(ranks, "compiled"):
+        got = r[case]
+        assert got["fw_gathers"] == got["bw_gathers"] == got["fw_releases"] == units, got
+        assert got["saved_gathered"] == [], got
+        assert got["fw_collectives"] == {"all_reduce": tw.BLOCKS}, got
+        assert got["bw_collectives"] == {"all_reduce": eager_backward}, got
+
+
+@pytest.mark.parametrize("mixed", ["mixed", "auto"])
+def test_compiled_mixed_precision_with_tp_gathers_the_linears_in_bf16_and_trains_as_autocast(ranks, mixed):
+    """MixedPrecision() and MixedPrecision("auto") compiled under bf16 autocast: the Linears'
+    groups gathered in bf16 (the cast moved into the gather), the norms' in fp32, and the
+    losses those of the reference with its Linears under autocast, within bf16 rounding."""
+    want = tw.reference(autocast=True)["losses"]
+    for r in part(ranks, "compiled"):
+        got = r[mixed]
+        linears, others = tw.BLOCKS, tw.BLOCKS  # per block: its Linears' group and its norm's
+        assert got["gather_dtypes"] == ["torch.bfloat16"] * linears + ["torch.float32"] * others, got
+        _close(got["losses"], want, 2e-3)
+
+
+@pytest.mark.parametrize("regions", [True, False], ids=["regions", "no-regions"])
+def test_auto_mixed_precision_with_tp_gathers_the_linears_in_bf16_as_the_program_reads_them(ranks, regions):
+    """MixedPrecision("auto") with TP, eager under bf16 autocast: the first forward watches each
+    gathered weight as the module reads it, a DTensor (or, inside a region, whose recorder
+    leaves DTensor ops to DTensor, its local tensor), sees the Linears' weights cast to bf16
+    and the norms' read in fp32, and decides so on every rank; the losses are the autocast
+    reference's within bf16 rounding, and the wire carries bf16 from the second step."""
+    want = tw.reference(autocast=True)["losses"]
+    for r in part(ranks, "auto"):
+        got = r[regions]
+        linear = {k: v for k, v in got["dtypes"].items() if "Linear" in k}
+        norm = {k: v for k, v in got["dtypes"].items() if "LayerNorm" in k}
+        assert len(linear) == tw.BLOCKS + 1 and len(norm) == tw.BLOCKS, got["dtypes"]
+        assert set(linear.values()) == {torch.bfloat16} and set(norm.values()) == {torch.float32}, got
+        assert got["wire"].get("bfloat16", 0) > 0, got["wire"]
+        _close(got["losses"], want, 2e-3)
+
+
+def test_sharding_tp_parameters_over_the_whole_world_is_refused_on_every_rank_saying_what_to_do(ranks):
+    """group=None with TP would mix TP's ranks into dp: ZeroError at the call, on every rank."""
     import re
 
+    message = r"blocks\.0\.up\.weight.*no dimension is the process group.*\[0, 1, 2, 3\].*group=mesh"
     for r in part(ranks, "refusals"):
-        assert r[case] is not None and re.search(message, r[case], re.S), r[case]
+        assert r["world"] is not None and re.search(message, r["world"], re.S), r["world"]

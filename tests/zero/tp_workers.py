@@ -257,6 +257,90 @@ def mixed(rank, world):
     return {"losses": losses, "seen": seen[0]}
 
 
+# (how it is compiled, whether blocks are regions, backend): torchtitan's order (shard, wrap,
+# then compile each block), and the whole model, whose gathers gather_prefetch splits
+COMPILED = (
+    ("per-block", True, "aot_eager_decomp_partition"),
+    ("whole", True, "aot_eager_decomp_partition"),
+    ("whole", False, "aot_eager_decomp_partition"),
+    ("whole", True, "inductor"),
+)
+
+
+def _collectives(gms) -> dict:
+    """{functional collective: count} over graphs ``gms`` (its waits left out)."""
+    names = [
+        n.target._opname
+        for gm in gms
+        for n in gm.graph.nodes
+        if getattr(n.target, "namespace", None) == "_c10d_functional" and "wait" not in str(n.target)
+    ]
+    return {name: names.count(name) for name in set(names)}
+
+
+def _compiled_run(how, regions, backend, mixed_precision=None, tmp=None) -> dict:
+    """Three steps of the model compiled fullgraph: losses and norms, the parameters after
+    them, and, on ``aot_eager_decomp_partition``, the graphs' gathers and collectives. Compiled
+    whole, ``zero``'s functions are handed what ``torch.compile`` returned: the norm, the
+    parameters (``full_state_dict``) and, with ``tmp``, a DCP checkpoint saved from it and
+    loaded into a fresh eager model ("loaded": the largest difference)."""
+    from . import compile_workers as cw
+
+    cw._fresh()
+    graphs = cw.Graphs() if backend == cw.BACKEND else None
+    m = sharded(regions=regions, mixed_precision=mixed_precision)
+    call = cw.compiled(m, how, backend=graphs.backend if graphs else backend)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    with torch.autocast("cpu", torch.bfloat16, enabled=mixed_precision is not None):
+        losses, norms = zip(*(step(call, opt, x, y) for x, y in batches()[:STEPS]))
+    out = {"losses": list(losses), "norms": list(norms), "params": zero.full_state_dict(call)}
+    if tmp is not None:
+        path = os.path.join(tmp, f"compiled-{how}")
+        zero.save_checkpoint(path, call, opt)
+        fresh = sharded(seed=5)
+        zero.load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters(), lr=LR))
+        out["loaded"] = max(float((v - out["params"][k]).abs().max()) for k, v in _full(fresh).items())
+    if graphs is not None:
+        out.update(cw._graph_counts(graphs, m))
+        out["fw_collectives"] = _collectives(graphs.forward)
+        out["bw_collectives"] = _collectives(graphs.backward)
+        out["gather_dtypes"] = sorted(
+            str(n.kwargs.get("dtype", n.args[2] if len(n.args) > 2 else None))
+            for gm in graphs.forward
+            for n in gm.graph.nodes
+            if n.target in (cw.GATHER, cw.START)
+        )
+    cw._fresh()
+    return out
+
+
+def compiled(rank, world, tmp):
+    """Zero + TP compiled: each ``COMPILED`` case (the first whole one checkpointed through
+    DCP), and under bf16 autocast (blocks compiled one by one, in regions) ``MixedPrecision()``
+    and ``MixedPrecision("auto")``, keyed "mixed" and "auto"."""
+    out = {case: _compiled_run(*case, tmp=tmp if case == COMPILED[1] else None) for case in COMPILED}
+    for name, mp in (("mixed", zero.MixedPrecision()), ("auto", zero.MixedPrecision("auto"))):
+        out[name] = _compiled_run("per-block", True, "aot_eager_decomp_partition", mp)
+    return out
+
+
+def auto(rank, world):
+    """``MixedPrecision("auto")`` under bf16 autocast, eager, with regions and without: losses,
+    each group's dtype after the first step (decided), all-gather bytes by dtype."""
+    from benchmarks.collectives import AllGatherCounter
+
+    out = {}
+    for regions in (True, False):
+        m = sharded(regions=regions, mixed_precision=zero.MixedPrecision("auto"))
+        opt = torch.optim.AdamW(m.parameters(), lr=LR)
+        counter = AllGatherCounter()
+        with counter, torch.autocast("cpu", torch.bfloat16):
+            losses = [step(m, opt, x, y)[0] for x, y in batches()[:STEPS]]
+        dtypes = {g.name: g.dtype for g in m._tracedac_zero.all_groups}
+        out[regions] = {"losses": losses, "dtypes": dtypes, "wire": dict(counter.bytes)}
+    return out
+
+
 def _refused(fn) -> str | None:
     try:
         fn()
@@ -268,15 +352,8 @@ def _refused(fn) -> str | None:
 def refusals(rank, world):
     """The messages of what zero + tensor parallel refuses (None where nothing was raised)."""
 
-    def compiled():
-        m = sharded()
-        m.blocks[0].compile(fullgraph=True, backend="eager")
-        m(batches()[0][0])
-
     return {
-        "auto": _refused(lambda: sharded(mixed_precision=zero.MixedPrecision("auto"))),
         "world": _refused(lambda: sharded(group=dist.group.WORLD)),
-        "compiled": _refused(compiled),
     }
 
 

@@ -134,6 +134,11 @@ class Auto:
                 i = self.groups.index(g)
                 for v in per_group:
                     self.observer.track(v, i)
+                    # A tensor-parallel parameter is read as a DTensor; where a mode above this
+                    # one declines DTensor ops (a region's recorder), its local ops come here.
+                    local = getattr(v, "_local_tensor", None)
+                    if local is not None:
+                        self.observer.track(local, i)
 
     def decide(self) -> None:
         notes = torch.tensor(self.notes, dtype=torch.int64)

@@ -64,6 +64,9 @@ class Sharded:
 
 
 def sharded(module) -> Sharded:
+    """What ``shard(module)`` made; for what ``torch.compile(model)`` returned, ``model``'s
+    (``sharded(m).module`` is then the model itself)."""
+    module = getattr(module, "_orig_mod", module)
     z = module.__dict__.get("_tracedac_zero") if isinstance(module, nn.Module) else None
     if z is None:
         raise ZeroError(

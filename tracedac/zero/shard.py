@@ -248,13 +248,6 @@ def shard(
                 "MixedPrecision(...) to compute in bf16) and give a scalar parameter the shape (1,)."
             )
     tp = [(u.fqn, u.param._spec) for u in uses if isinstance(u.param, DTensor)]
-    if tp and mixed_precision is not None and mixed_precision.param_dtype == "auto":
-        raise ZeroError(
-            f'shard(mixed_precision=MixedPrecision("auto")) with tensor-parallel parameters ({tp[0][0]!r} '
-            'is a DTensor): "auto" decides each group\'s dtype by watching the gathered parameters '
-            "being read, and tensor parallel reads DTensors made from them, which it does not follow "
-            "yet. Pass MixedPrecision(param_dtype=torch.bfloat16), or no mixed_precision."
-        )
     device = uses[0].param.device if uses else torch.device("cpu")
     mesh, dp_dim = tp_mesh_for(group, tp, children) or (_mesh(group, device), 0)
     modules = {"": module, **{name: module.get_submodule(name) for name in chosen.values()}}
@@ -420,8 +413,7 @@ def _attach(uses, units: dict, owner: dict) -> None:
         g.slices[piece].uses.append((u.module, u.attr))
         if g not in unit.groups:
             unit.groups.append(g)  # a parameter shared with an earlier unit: gather its group too
-        unit.slots.append(_Slot(u.module, u.attr, unit.groups.index(g), piece, g.slices[piece].tp))
-        unit.tp = unit.tp or g.slices[piece].tp is not None
+        unit.slots.append(_Slot(u.module, u.attr, unit.groups.index(g), piece))
     for unit in units.values():
         for g in unit.own:
             g.bind(g.local)

@@ -46,6 +46,7 @@ def full_state_dict(module, *, rank0_only: bool = False) -> dict:
     other ranks get ``{}``.
     """
     z = sharded(module)
+    module = z.module  # the model itself: its keys, not a compiled wrapper's
     full = _full_parameters(module)
     params = dict(module.named_parameters(remove_duplicate=False))
     copies: dict = {}
@@ -82,7 +83,7 @@ def load_full_state_dict(module, state_dict: dict) -> None:
     parameter. Every rank passes the same full values (for rank 0's only, use torch's
     ``set_model_state_dict(..., options=StateDictOptions(full_state_dict=True,
     broadcast_from_rank0=True))``)."""
-    sharded(module)
+    module = sharded(module).module
     _check_keys(state_dict, list(module.state_dict()))
     params = dict(module.named_parameters(remove_duplicate=False))
     for key, p in params.items():
@@ -112,7 +113,7 @@ def load_full_state_dict(module, state_dict: dict) -> None:
 def _state(model, optimizer):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    sharded(model)
+    model = sharded(model).module
     optimizers = () if optimizer is None else optimizer
     model_sd, optim_sd = get_state_dict(model, optimizers)
     return {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
@@ -142,7 +143,7 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
     _check_against(dcp.FileSystemReader(checkpoint_id).read_metadata(), state, checkpoint_id, group)
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
     set_state_dict(
-        model,
+        sharded(model).module,
         () if optimizer is None else optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),

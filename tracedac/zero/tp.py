@@ -23,7 +23,6 @@ TP-local tensor (FSDP2's 2-D layout). Three views of one parameter:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -34,7 +33,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .errors import ZeroError
 
-__all__ = ["checkpoint_group", "compiles_tp", "global_value", "local_value", "mesh_for", "spec", "wrap"]
+__all__ = ["as_read", "checkpoint_group", "global_value", "local_value", "mesh_for", "spec", "wrap"]
 
 
 def _root(mesh):
@@ -142,6 +141,13 @@ def wrap(local: torch.Tensor, tp: DTensorSpec) -> DTensor:
     )
 
 
+def as_read(views: list, slices: list) -> list:
+    """The full views of a group's parameters as its modules read them: a tensor-parallel
+    parameter's wrapped in its DTensor (``wrap``), the others as they are. (What "auto"
+    watches too: the module's reads of a TP weight are reads of the DTensor.)"""
+    return [view if s.tp is None else wrap(view, s.tp) for view, s in zip(views, slices)]
+
+
 def local_value(s, full: torch.Tensor) -> torch.Tensor:
     """This rank's TP-local part of a full value of slice ``s``'s parameter (no communication)."""
     if s.tp is None:
@@ -170,30 +176,3 @@ def checkpoint_group(z):
         ranks = sorted(z.mesh.mesh.flatten().tolist())
         z.checkpoint_group = dist.new_group(ranks, use_local_synchronization=True)
     return z.checkpoint_group
-
-
-def compiles_tp(dynamo: bool, tp: bool) -> bool:
-    """Raise, when a unit holding tensor-parallel parameters is traced (``dynamo``: whether
-    dynamo is the tracer, which needs its own kind of error)."""
-    if tp:
-        raise (_trace_time_error() if dynamo else ZeroError)(
-            "a unit holding tensor-parallel (DTensor) parameters is being compiled; tracedac.zero "
-            "does not compile zero + tensor parallel yet: its compiled passes (gather tags, the cast "
-            "moved into the gather, prefetch in the graph) read the gathered parameters as plain "
-            "tensors, and here the module computes with DTensors made from them. Run the sharded "
-            "model eagerly: its tracedac checkpoint regions still record the tensor-parallel block "
-            "and issue its collectives once."
-        )
-    return True
-
-
-compiles_tp._dynamo_marked_constant = True  # run at trace time, its result a constant
-
-
-@functools.cache
-def _trace_time_error():
-    """A ``ZeroError`` that dynamo passes on as it is (an ``Unsupported``; any other exception
-    raised at trace time it reports as an internal error)."""
-    from torch._dynamo.exc import Unsupported
-
-    return type("TraceTimeZeroError", (ZeroError, Unsupported), {"__module__": __name__})

@@ -29,7 +29,7 @@ from .gathered import Gathered, Handle, handle_for
 from .group import FlatGroup
 from .layout import split_views
 from .prefetch import Prefetch
-from .tp import compiles_tp, wrap
+from .tp import as_read
 
 __all__ = ["Unit"]
 
@@ -37,13 +37,12 @@ __all__ = ["Unit"]
 class _Slot:
     """One module attribute that reads a sharded parameter: where, and which piece of which group."""
 
-    __slots__ = ("module", "attr", "group", "piece", "tp")
+    __slots__ = ("module", "attr", "group", "piece")
 
-    def __init__(self, module, attr, group, piece, tp=None):
+    def __init__(self, module, attr, group, piece):
         self.module, self.attr = module, attr
         self.group = group  # index into the unit's gathered groups
         self.piece = piece  # index of the parameter in that group
-        self.tp = tp  # a tensor-parallel parameter's DTensorSpec: the module reads a DTensor (tp.py)
 
 
 _TRACED = "traced"  # in place of a unit's saved-tensor hooks: the forward ran under a compiler
@@ -60,7 +59,6 @@ class Unit:
         self.slots: list[_Slot] = []
         self.active: list = []  # (gathered, hooks) per forward call running
         self.state: Prefetch | None = None  # the root unit's only: its forward starts a new order of gathers
-        self.tp = False  # whether a slot is a tensor-parallel parameter (not compiled yet: tp.py)
 
     def pre(self, module, args):
         if tracing(args):
@@ -94,10 +92,9 @@ class Unit:
         except BaseException:  # (a ZeroError from an order check): nothing gathered here outlives it
             _release(gathered)
             raise
-        views = [split_views(g.full, g.flat.slices, g.flat.world) for g in gathered]
+        views = [as_read(split_views(g.full, g.flat.slices, g.flat.world), g.flat.slices) for g in gathered]
         for s in self.slots:
-            view = views[s.group][s.piece]
-            s.module.__dict__[s.attr] = view if s.tp is None else wrap(view, s.tp)
+            s.module.__dict__[s.attr] = views[s.group][s.piece]
         auto = self.groups[0].state.auto if self.groups else None
         if auto is not None and auto.observer is not None:
             auto.track(views, self.groups)
@@ -119,12 +116,16 @@ class Unit:
         """Under a compiler the gathers are graph nodes and nothing is registered at run time:
         the partitioner decides what backward keeps, and the joint-graph pass tags every gather
         to be recomputed (``compile/passes/zero_tags.py``), so backward gathers again. No
-        ``Gathered`` entry and no saved-tensor hooks: the compiled code runs none of this."""
+        ``Gathered`` entry and no saved-tensor hooks: the compiled code runs none of this.
+        A tensor-parallel parameter's view is wrapped in its DTensor as in eager (``as_read``);
+        AOTAutograd unwraps it to a view of the local one, so the passes see the gathered view
+        and what is computed from it as plain tensors, exactly as without TP."""
         install_traced()
-        compiles_tp(torch.compiler.is_dynamo_compiling(), self.tp)
         # dtype explicit: the graph keeps the dtype it was traced with if "auto" changes it later
         fulls = [torch.ops.tracedac.all_gather(g.leaf, g.key, dtype=g.dtype_now()) for g in self.groups]
-        views = [split_views(full, g.slices, g.world) for full, g in zip(fulls, self.groups)]
+        views = [
+            as_read(split_views(full, g.slices, g.world), g.slices) for full, g in zip(fulls, self.groups)
+        ]
         for s in self.slots:
             # object.__setattr__ writes the instance __dict__ as below; dynamo tracks it as an
             # attribute store that the post-hook's delete undoes (a store to ``__dict__``
