@@ -324,6 +324,50 @@ def compiled(rank, world, tmp):
     return out
 
 
+def fsdp2(seed: int = 0) -> Model:
+    """The model as FSDP2 shards it with the same tensor parallel: the oracle of the layout."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    m = model(seed)
+    for block in m.blocks:
+        parallelize_module(block, mesh()["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh()["dp"])
+    return fully_shard(m, mesh=mesh()["dp"])
+
+
+def against_fsdp2(rank, world):
+    """FSDP2 + TP and zero + TP (blocks in regions), eager and compiled one block at a time:
+    per parameter, its placements and this rank's local shard before training and after
+    three steps (no clipping: torch's clip_grad_norm_ refuses FSDP2's two meshes), and the
+    losses."""
+    from . import compile_workers as cw
+
+    out = {}
+    for compiled in (False, True):
+        for name, make in (("fsdp2", fsdp2), ("zero", sharded)):
+            cw._fresh()
+            m = make()
+            before = {
+                k: (tuple(v.placements), v.to_local().detach().clone()) for k, v in m.named_parameters()
+            }
+            if compiled:
+                cw.compiled(m, "per-block")
+            opt = torch.optim.AdamW(m.parameters(), lr=LR)
+            dp = mesh()["dp"]
+            losses = []
+            for x, y in batches()[:STEPS]:
+                loss = F.mse_loss(m(x.chunk(2)[dp.get_local_rank()]), y.chunk(2)[dp.get_local_rank()])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            after = {k: v.to_local().detach().clone() for k, v in m.named_parameters()}
+            out[compiled, name] = {"before": before, "after": after, "losses": losses}
+    cw._fresh()
+    return out
+
+
 def auto(rank, world):
     """``MixedPrecision("auto")`` under bf16 autocast, eager, with regions and without: losses,
     each group's dtype after the first step (decided), all-gather bytes by dtype."""
