@@ -78,15 +78,21 @@ def test_parameters_are_dtensors_on_the_2d_mesh_sharded_over_dp_and_placed_as_tp
         assert {k: r["placements"][k][1] for k in want} == want
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_each_rank_holds_fsdp2s_shard_of_every_parameter_and_trains_it_as_fsdp2_does(ranks, compiled):
+@pytest.mark.parametrize(
+    "case",
+    tw.AGAINST_FSDP2,
+    ids=lambda c: f"{'compiled' if c[0] else 'eager'}-{'sp' if c[1] else 'tp'}-{c[2]}",
+)
+def test_each_rank_holds_fsdp2s_shard_of_every_parameter_and_trains_it_as_fsdp2_does(ranks, case):
     """FSDP2 with the same tensor parallel is the oracle: on every rank each parameter's local
     shard is FSDP2's, bit for bit, before training and within 1e-6 after three AdamW steps
-    (eager, and each block compiled), with FSDP2's losses. A TP parameter is placed as FSDP2
-    places it; a plain one sits on the 2-D mesh, replicated over tp, where FSDP2 leaves it on
-    the dp mesh alone (one mesh for the model: torch's clip_grad_norm_ works, above)."""
+    (eager, and each block compiled; tensor parallel alone, and with sequence parallel, whose
+    norm weights are replicated DTensors with partial gradients), with FSDP2's losses. A TP
+    parameter is placed as FSDP2 places it; a plain one sits on the 2-D mesh, replicated over
+    tp, where FSDP2 leaves it on the dp mesh alone (one mesh for the model: torch's
+    clip_grad_norm_ works, above)."""
     for r in part(ranks, "against_fsdp2"):
-        want, got = r[compiled, "fsdp2"], r[compiled, "zero"]
+        want, got = r[case, "fsdp2"], r[case, "zero"]
         _close(got["losses"], want["losses"], 1e-6)
         for name, (placements, local) in want["before"].items():
             mine, shard = got["before"][name]

@@ -108,17 +108,44 @@ def mesh():
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
-def sharded(seed: int = 0, regions: bool = True, **shard_kw) -> Model:
-    """The model, its blocks tensor parallel over "tp", sharded over "dp", blocks in regions."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def parallel(seed: int = 0, sp: bool = False) -> Model:
+    """The model with its blocks tensor parallel over "tp". ``sp``: sequence parallel too, as
+    torchtitan plans it: each TP rank holds half of the rows between blocks, the norm runs on
+    them (its weights replicated DTensors), ``up`` gathers the rows, ``down`` scatters them back
+    (a reduce-scatter for the all-reduce), and the head gathers them for the loss."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     m = model(seed)
+    tp = mesh()["tp"]
     for block in m.blocks:
-        parallelize_module(block, mesh()["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        if sp:
+            plan = {
+                "norm": SequenceParallel(sequence_dim=0),
+                "up": ColwiseParallel(input_layouts=Shard(0)),
+                "down": RowwiseParallel(output_layouts=Shard(0)),
+            }
+        else:
+            plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        parallelize_module(block, tp, plan)
+    if sp:
+        parallelize_module(m.head, tp, ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate()))
+    return m
+
+
+def sharded(seed: int = 0, regions: bool = True, sp: bool = False, policy=None, **shard_kw) -> Model:
+    """The model, its blocks tensor parallel over "tp" (``parallel``), sharded over "dp",
+    blocks in regions (under ``policy``, default recompute_all)."""
+    m = parallel(seed, sp)
     shard_kw.setdefault("group", mesh()["dp"].get_group())
     zero.shard(m, **shard_kw)
     if regions:
-        tracedac.wrap(m, Block)
+        tracedac.wrap(m, Block, policy=policy)
     return m
 
 
@@ -324,28 +351,38 @@ def compiled(rank, world, tmp):
     return out
 
 
-def fsdp2(seed: int = 0) -> Model:
+def fsdp2(seed: int = 0, sp: bool = False) -> Model:
     """The model as FSDP2 shards it with the same tensor parallel: the oracle of the layout."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    m = model(seed)
+    m = parallel(seed, sp)
     for block in m.blocks:
-        parallelize_module(block, mesh()["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(block, mesh=mesh()["dp"])
     return fully_shard(m, mesh=mesh()["dp"])
 
 
+# (compiled, sequence parallel, the regions' policy): against FSDP2 with the same parallelism
+AGAINST_FSDP2 = (
+    (False, False, None),
+    (True, False, None),
+    (False, True, "save_matmuls"),
+    (True, True, "save_matmuls"),
+)
+
+
 def against_fsdp2(rank, world):
-    """FSDP2 + TP and zero + TP (blocks in regions), eager and compiled one block at a time:
-    per parameter, its placements and this rank's local shard before training and after
-    three steps (no clipping: torch's clip_grad_norm_ refuses FSDP2's two meshes), and the
-    losses."""
+    """FSDP2 + TP and zero + TP (blocks in regions) per ``AGAINST_FSDP2`` case, each block
+    compiled or not: per parameter, its placements and this rank's local shard before
+    training and after three steps (no clipping: torch's clip_grad_norm_ refuses FSDP2's two
+    meshes), and the losses. With sequence parallel each TP rank feeds its half of the rows."""
     from . import compile_workers as cw
 
     out = {}
-    for compiled in (False, True):
-        for name, make in (("fsdp2", fsdp2), ("zero", sharded)):
+    dp, tp = mesh()["dp"], mesh()["tp"]
+    for case in AGAINST_FSDP2:
+        compiled, sp, policy = case
+        ours = functools.partial(sharded, sp=sp, policy=policy and getattr(tracedac.policies, policy)())
+        for name, make in (("fsdp2", functools.partial(fsdp2, sp=sp)), ("zero", ours)):
             cw._fresh()
             m = make()
             before = {
@@ -354,16 +391,16 @@ def against_fsdp2(rank, world):
             if compiled:
                 cw.compiled(m, "per-block")
             opt = torch.optim.AdamW(m.parameters(), lr=LR)
-            dp = mesh()["dp"]
             losses = []
             for x, y in batches()[:STEPS]:
-                loss = F.mse_loss(m(x.chunk(2)[dp.get_local_rank()]), y.chunk(2)[dp.get_local_rank()])
+                x, y = x.chunk(2)[dp.get_local_rank()], y.chunk(2)[dp.get_local_rank()]
+                loss = F.mse_loss(m(x.chunk(2)[tp.get_local_rank()] if sp else x), y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
             after = {k: v.to_local().detach().clone() for k, v in m.named_parameters()}
-            out[compiled, name] = {"before": before, "after": after, "losses": losses}
+            out[case, name] = {"before": before, "after": after, "losses": losses}
     cw._fresh()
     return out
 
