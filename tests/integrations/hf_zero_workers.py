@@ -10,6 +10,7 @@ unsharded and uncheckpointed, in one process, on the mean of the ranks' losses.
 from __future__ import annotations
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 import tracedac.zero as zero
@@ -78,8 +79,6 @@ def train(rank, world, kind, tied, shard_first, compiled) -> dict:
 def every_case(rank, world) -> dict:
     out = {}
     for case in CASES:
-        import torch._dynamo
-
         torch._dynamo.reset()
         out[case] = train(rank, world, *case)
     return out
