@@ -2,8 +2,9 @@
 
 Each block's Linears are tensor parallel over ``mesh["tp"]`` (torch's ``parallelize_module``),
 the model is sharded by ``zero.shard`` over ``mesh["dp"]``, every block is a tracedac region
-(``tp_workers``). One spawn runs every part; the oracle is one process on the whole batch
-(docs/design.md, "ZeRO with tensor parallelism").
+(``tp_workers``), eager and compiled. One spawn runs every part; the oracles are one process
+on the whole batch and FSDP2 with the same tensor (and sequence) parallel (docs/design.md,
+"ZeRO with tensor parallelism").
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ all-reduce after ``down``), then ``zero.shard`` over ``mesh["dp"]``'s group, the
 tracedac region. The two ranks of one ``dp`` coordinate take the same half of the batch; the
 loss is averaged over ``dp``.
 
-The oracle (``reference``, run in the test's own process): the same model, not parallelized,
-not sharded, not checkpointed, on the whole batch.
+The oracles: ``reference``, run in the test's own process, the same model, not parallelized,
+not sharded, not checkpointed, on the whole batch; and ``fsdp2``, the model parallelized the
+same way and sharded by FSDP2 (``against_fsdp2``).
 """
 
 from __future__ import annotations
