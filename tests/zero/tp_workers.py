@@ -381,7 +381,7 @@ def against_fsdp2(rank, world):
     out = {}
     dp, tp = mesh()["dp"], mesh()["tp"]
     for case in AGAINST_FSDP2:
-        compiled, sp, policy = case
+        compile_blocks, sp, policy = case
         ours = functools.partial(sharded, sp=sp, policy=policy and getattr(tracedac.policies, policy)())
         for name, make in (("fsdp2", functools.partial(fsdp2, sp=sp)), ("zero", ours)):
             cw._fresh()
@@ -389,7 +389,7 @@ def against_fsdp2(rank, world):
             before = {
                 k: (tuple(v.placements), v.to_local().detach().clone()) for k, v in m.named_parameters()
             }
-            if compiled:
+            if compile_blocks:
                 cw.compiled(m, "per-block")
             opt = torch.optim.AdamW(m.parameters(), lr=LR)
             losses = []
