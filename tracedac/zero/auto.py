@@ -27,6 +27,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -136,9 +137,8 @@ class Auto:
                     self.observer.track(v, i)
                     # A tensor-parallel parameter is read as a DTensor; where a mode above this
                     # one declines DTensor ops (a region's recorder), its local ops come here.
-                    local = getattr(v, "_local_tensor", None)
-                    if local is not None:
-                        self.observer.track(local, i)
+                    if isinstance(v, DTensor):
+                        self.observer.track(v._local_tensor, i)
 
     def decide(self) -> None:
         notes = torch.tensor(self.notes, dtype=torch.int64)

@@ -111,9 +111,10 @@ def load_full_state_dict(module, state_dict: dict) -> None:
 
 
 def _state(model, optimizer):
+    """``get_state_dict`` of the sharded model itself (``sharded(m).module``: not a compiled
+    wrapper, whose keys would carry ``_orig_mod.``)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model = sharded(model).module
     optimizers = () if optimizer is None else optimizer
     model_sd, optim_sd = get_state_dict(model, optimizers)
     return {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
@@ -125,9 +126,8 @@ def save_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
     mesh with tensor parallel: every rank holds a piece)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(
-        _state(model, optimizer), checkpoint_id=checkpoint_id, process_group=checkpoint_group(sharded(model))
-    )
+    z = sharded(model)
+    dcp.save(_state(z.module, optimizer), checkpoint_id=checkpoint_id, process_group=checkpoint_group(z))
 
 
 def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> None:
@@ -138,12 +138,13 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model, optimizer=None) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _state(model, optimizer)
-    group = checkpoint_group(sharded(model))
+    z = sharded(model)
+    state = _state(z.module, optimizer)
+    group = checkpoint_group(z)
     _check_against(dcp.FileSystemReader(checkpoint_id).read_metadata(), state, checkpoint_id, group)
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
     set_state_dict(
-        sharded(model).module,
+        z.module,
         () if optimizer is None else optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
