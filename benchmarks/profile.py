@@ -19,6 +19,14 @@ its two halves: the *recorded forward* and the *replaying backward*. For each ha
   replay's own bookkeeping) and gaps;
 - the ops with most self CPU time, with their counts.
 
+Then, unprofiled, **the floors under the recorded forward**: the forward alone, median of
+``FLOOR_REPS``, with each block plain, under torch's checkpoint, under an empty
+``TorchDispatchMode``, recorded by ``floors.LeastRecorder`` (the least any recorder written in
+Python must do) and recorded by tracedac; its host time (until the Python returns) and wall
+time (until the device is done). On a GPU, where the forward is host-bound, what tracedac
+takes over the least recorder is what a faster recorder in Python could still win, and the
+least recorder's over torch's checkpoint is what only a recorder below Python could.
+
 The same command runs on a GPU machine (``--device cuda``): that breakdown is the one
 docs/benchmarks.md still lacks.
 """
@@ -26,20 +34,25 @@ docs/benchmarks.md still lacks.
 from __future__ import annotations
 
 import copy
+import functools
+import statistics
 import time
 from dataclasses import asdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import tracedac
 
+from .floors import under_empty_mode, under_least_recorder
 from .llama import DecoderLayer, Llama, LlamaConfig
 from .model import GPT, Block, make_batch
 
 __all__ = ["run", "format_report"]
 
 TOP = 12
+FLOOR_REPS = 7
 
 
 def _sync(device):
@@ -112,7 +125,48 @@ def run(cfg, device: str = "cpu") -> dict:
         loss, forward = _profiled(lambda: model(*batch), dev)
         _, backward = _profiled(loss.backward, dev)
         result[key] = {"forward": forward, "backward": backward}
+    result["floors"] = _floors(base, unit, batch, dev)
     return result
+
+
+def _torch_checkpoint(block, x):
+    return torch_checkpoint(block, x, use_reentrant=False)
+
+
+FLOORS = (  # key, label, how each block runs (None: as it is)
+    ("plain", "plain (autograd saves)", None),
+    ("torch", "torch checkpoint", _torch_checkpoint),
+    ("empty", "empty TorchDispatchMode", under_empty_mode),
+    ("least", "LeastRecorder (least a recorder in Python does)", under_least_recorder),
+    ("tracedac", "tracedac recompute_all", "tracedac"),
+)
+
+
+def _floors(base, unit, batch, dev) -> dict:
+    """The forward alone under each of ``FLOORS``: host and wall seconds, medians."""
+    out = {}
+    for key, _, way in FLOORS:
+        model = copy.deepcopy(base)
+        if way == "tracedac":
+            tracedac.wrap(model, unit)
+        elif way is not None:
+            for m in model.modules():
+                if isinstance(m, unit):
+                    m.forward = functools.partial(way, m.forward)
+        host, wall = [], []
+        for i in range(FLOOR_REPS + 2):  # two warm-up forwards
+            _sync(dev)
+            start = time.perf_counter()
+            loss = model(*batch)
+            returned = time.perf_counter()
+            _sync(dev)
+            done = time.perf_counter()
+            del loss  # (the least recorder's cannot run backward)
+            if i >= 2:
+                host.append(returned - start)
+                wall.append(done - start)
+        out[key] = {"host_s": statistics.median(host), "wall_s": statistics.median(wall)}
+    return out
 
 
 def format_report(r: dict) -> str:
@@ -150,4 +204,22 @@ def format_report(r: dict) -> str:
         lines += [
             f"| {t['op']} | {t['calls']} | {t['self_cpu_s'] * 1e3:.2f} |" for t in r["tracedac"][half]["top"]
         ]
+    f, ops = r["floors"], r["tracedac"]["forward"]["mode_calls"]
+    lines += [
+        "",
+        f"the forward alone, each block under each floor (median of {FLOOR_REPS}; host: until the "
+        "Python returns, wall: until the device is done)",
+        "| forward | host ms | wall ms | wall / plain |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {label} | {f[k]['host_s'] * 1e3:.1f} | {f[k]['wall_s'] * 1e3:.1f} | "
+        f"{f[k]['wall_s'] / f['plain']['wall_s']:.2f}x |"
+        for k, label, _ in FLOORS
+    ]
+    over = f["tracedac"]["host_s"] - f["least"]["host_s"]
+    lines.append(
+        f"tracedac's host time over the least recorder's: {over * 1e3:+.1f} ms, "
+        f"{over / max(ops, 1) * 1e6:+.1f} us for each of its {ops} recorded ops"
+    )
     return "\n".join(lines)

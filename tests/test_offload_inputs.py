@@ -195,6 +195,19 @@ def test_offload_inputs_prints_as_its_call_and_is_refused_inside_either_and_unde
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_layer_inputs_leave_the_device_and_the_gradients_are_exact():
+    """Bitwise with compiled replay off: on CUDA it is on by default, and inductor's fused
+    replay differs from eager autograd by rounding (the first replay of a pass runs op by op,
+    later ones compiled), with or without offload. The GPU run of 2026-11-27 found this test
+    comparing bitwise under the default; with it on, the values agree within fp32 rounding."""
+    before = tracedac.compiled_replay(False)
+    try:
+        _layer_inputs_leave_the_device(exact=True)
+    finally:
+        tracedac.compiled_replay(before)
+    _layer_inputs_leave_the_device(exact=False)
+
+
+def _layer_inputs_leave_the_device(exact):
     torch.manual_seed(0)
     m = stack(n=4).cuda()
     x = torch.randn(256, 16, device="cuda", requires_grad=True)
@@ -216,4 +229,8 @@ def test_on_cuda_the_layer_inputs_leave_the_device_and_the_gradients_are_exact()
     offloaded = torch.cuda.memory_allocated() - base
     assert offloaded <= kept - 3 * 256 * 16 * 4  # three layer inputs no longer on the device
     got = torch.autograd.grad(out.square().sum(), [x, *m2.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if exact:
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    else:
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -77,3 +77,29 @@ def test_the_per_layer_compiled_variants_step_with_the_no_checkpoint_gradients()
 def test_the_torch_compile_row_steps_with_the_no_checkpoint_gradients():
     rows = {x["key"]: x for x in _run(("none", "torch_compile"))["variants"]}
     assert rows["torch_compile"]["max_grad_diff"] < 1e-5 and rows["torch_compile"]["step_s"] > 0
+
+
+def test_the_offload_plan_is_held_against_the_faster_of_recompute_all_and_full_offload():
+    """Made-up CUDA rows (ms) from the H200 run of 2026-11-27: the planner's offload plan
+    (78.1) against memory_budget(0.5) op by op (79.9), and against the faster of recompute_all
+    op by op (80.2) and full offload (229.9): 78.1 / 80.2, not 78.1 / 229.9 (the old reading
+    took the slower one). Compiled replay's rows (76.2) are not the offload rows' kind of replay."""
+
+    def rows(**ms):
+        return {k: {"step_s": v / 1e3} for k, v in ms.items()}
+
+    made_up = rows(
+        tracedac_recompute_all=80.2,
+        tracedac_compiled_replay=76.2,
+        tracedac_budget=79.9,
+        tracedac_budget_offload=78.1,
+        tracedac_offload_everything=229.9,
+    )
+    judged = {t["name"]: t for t in llama_steps._targets(made_up, cuda=True)}
+    plain = judged["memory_budget(0.5, offload=True) step / memory_budget(0.5)"]
+    best = judged["memory_budget(0.5, offload=True) step / best of recompute_all and offload all"]
+    assert plain["value"] == pytest.approx(78.1 / 79.9) and plain["passed"]
+    assert best["value"] == pytest.approx(78.1 / 80.2) and best["passed"]
+    made_up["tracedac_offload_everything"]["step_s"] = 0.070  # full offload the faster one
+    best = {t["name"]: t for t in llama_steps._targets(made_up, cuda=True)}[best["name"]]
+    assert best["value"] == pytest.approx(78.1 / 70) and best["passed"] is False

@@ -28,6 +28,12 @@ def test_the_profile_separates_the_recorder_and_the_replay_passes(capsys):
             assert half["top"] and half["top"][0]["op"].startswith("aten::")
     text = profile.format_report(r)
     assert "| tracedac | backward |" in text and "ops with most self CPU time" in text
+    # the floors: the forward alone under each way, timed (on the CPU host and wall coincide)
+    assert [k for k, _, _ in profile.FLOORS] == list(r["floors"])
+    for key, times in r["floors"].items():
+        assert 0 < times["host_s"] <= times["wall_s"], key
+    assert "| LeastRecorder (least a recorder in Python does) |" in text
+    assert f"for each of its {traced['forward']['mode_calls']} recorded ops" in text
 
 
 def test_the_cli_prints_the_llama_profile(capsys):
