@@ -27,8 +27,8 @@ time (until the device is done). On a GPU, where the forward is host-bound, what
 takes over the least recorder is what a faster recorder in Python could still win, and the
 least recorder's over torch's checkpoint is what only a recorder below Python could.
 
-The same command runs on a GPU machine (``--device cuda``): that breakdown is the one
-docs/benchmarks.md still lacks.
+The same command runs on a GPU machine (``--device cuda``): docs/gpu.md has its figures on an
+H100 and an H200.
 """
 
 from __future__ import annotations
@@ -133,26 +133,32 @@ def _torch_checkpoint(block, x):
     return torch_checkpoint(block, x, use_reentrant=False)
 
 
-FLOORS = (  # key, label, how each block runs (None: as it is)
-    ("plain", "plain (autograd saves)", None),
-    ("torch", "torch checkpoint", _torch_checkpoint),
-    ("empty", "empty TorchDispatchMode", under_empty_mode),
-    ("least", "LeastRecorder (least a recorder in Python does)", under_least_recorder),
-    ("tracedac", "tracedac recompute_all", "tracedac"),
+def _each_block(way):
+    """``apply(model, unit)``: every ``unit`` block of the model called as ``way(block, x)``."""
+
+    def apply(model, unit):
+        for m in model.modules():
+            if isinstance(m, unit):
+                m.forward = functools.partial(way, m.forward)
+
+    return apply
+
+
+FLOORS = (  # key, label, apply(model, unit): how the blocks run
+    ("plain", "plain (autograd saves)", lambda model, unit: None),
+    ("torch", "torch checkpoint", _each_block(_torch_checkpoint)),
+    ("empty", "empty TorchDispatchMode", _each_block(under_empty_mode)),
+    ("least", "LeastRecorder (least a recorder in Python does)", _each_block(under_least_recorder)),
+    ("tracedac", "tracedac recompute_all", tracedac.wrap),
 )
 
 
 def _floors(base, unit, batch, dev) -> dict:
     """The forward alone under each of ``FLOORS``: host and wall seconds, medians."""
     out = {}
-    for key, _, way in FLOORS:
+    for key, _, apply in FLOORS:
         model = copy.deepcopy(base)
-        if way == "tracedac":
-            tracedac.wrap(model, unit)
-        elif way is not None:
-            for m in model.modules():
-                if isinstance(m, unit):
-                    m.forward = functools.partial(way, m.forward)
+        apply(model, unit)
         host, wall = [], []
         for i in range(FLOOR_REPS + 2):  # two warm-up forwards
             _sync(dev)

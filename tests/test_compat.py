@@ -65,10 +65,10 @@ def test_a_compiled_sharded_step_puts_the_parameters_back_either_way_and_trains_
 ):
     """``put_back_parameter``, both ways, under this torch's dynamo (2.11's dynamo itself is met
     where the suite runs on 2.11: every compiled ``tracedac.zero`` test): the compiled step's
-    loss is eager's and its gradients are within the decompositions' rounding, and afterwards
-    each sharded attribute reads its registered parameter again (2.11's way leaves it in the
-    instance ``__dict__``, 2.13's removes it). The loss and gradients are those of the
-    unsharded model compiled the same way, bit for bit."""
+    loss and gradients are those of the unsharded model compiled the same way, bit for bit, and
+    eager's within the decompositions' rounding; afterwards each sharded attribute reads its
+    registered parameter again (2.11's way leaves it in the instance ``__dict__``, 2.13's
+    removes it)."""
     import torch._dynamo
     import torch.nn.functional as F
 
@@ -80,12 +80,7 @@ def test_a_compiled_sharded_step_puts_the_parameters_back_either_way_and_trains_
     ref = zero.shard(w.model(tie=False))
     m = zero.shard(w.model(tie=False))
     x, y = w.data(0)
-    torch._dynamo.reset()
-    try:
-        got = F.mse_loss(torch.compile(m, fullgraph=True, backend="aot_eager_decomp_partition")(x), y)
-        got.backward()
-    finally:
-        torch._dynamo.reset()
+    got = _compiled_step(m, x, y)
     want = F.mse_loss(ref(x), y)
     want.backward()
     # The backend decomposes layer_norm and gelu, whose rounding is not ATen's vectorized CPU
@@ -94,13 +89,7 @@ def test_a_compiled_sharded_step_puts_the_parameters_back_either_way_and_trains_
     # model compiled the same way.
     torch.testing.assert_close(got, want)
     plain = w.model(tie=False)
-    torch._dynamo.reset()
-    try:
-        same = F.mse_loss(torch.compile(plain, fullgraph=True, backend="aot_eager_decomp_partition")(x), y)
-        same.backward()
-    finally:
-        torch._dynamo.reset()
-    assert torch.equal(got, same)
+    assert torch.equal(got, _compiled_step(plain, x, y))
     for (name, p), q in zip(m.named_parameters(), plain.parameters(), strict=True):
         assert (p.grad is None) is (q.grad is None), name
         if p.grad is not None:
@@ -129,3 +118,17 @@ def test_a_prepended_pre_hook_is_first_in_the_hooks_dict_by_either_order():
     plain.register_forward_pre_hook(lambda mod, args: None, prepend=True)
     torchs = plain._forward_pre_hooks
     assert list(torchs) == list(reversed(dict.keys(torchs)))  # what the helper is for
+
+
+def _compiled_step(model, x, y):
+    """The model's MSE loss compiled whole (``aot_eager_decomp_partition``), backward run."""
+    import torch._dynamo
+    import torch.nn.functional as F
+
+    torch._dynamo.reset()
+    try:
+        loss = F.mse_loss(torch.compile(model, fullgraph=True, backend="aot_eager_decomp_partition")(x), y)
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+    return loss
