@@ -132,3 +132,19 @@ def _compiled_step(model, x, y):
     finally:
         torch._dynamo.reset()
     return loss
+
+
+def test_a_symbolic_size_reads_its_hint_without_a_deprecation_warning():
+    """The planners read a compiled graph's symbolic sizes at their hints. On torch 2.11 the
+    name that did so (``hint_int``) warned on every call, once per compile of a region."""
+    import warnings
+
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    size = env.create_symintnode(env.create_symbol(7, ConstantSource("rows")), hint=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _compat.optimization_hint(size, fallback=4096) == 7
+        assert _compat.optimization_hint(3, fallback=4096) == 3

@@ -33,8 +33,9 @@ __all__ = [
 _VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 # A SymInt's concrete hint (or ``fallback`` when it has none): ``optimization_hint`` in torch
-# 2.13, ``hint_int`` in 2.11.
-optimization_hint = getattr(_symbolic_shapes, "optimization_hint", None) or _symbolic_shapes.hint_int
+# 2.13, ``size_hint`` in 2.11 (whose ``hint_int`` warns on every call that it is deprecated:
+# each compile of a region printed it, found on a GPU machine's 2.11 on 2026-11-27).
+optimization_hint = getattr(_symbolic_shapes, "optimization_hint", None) or _symbolic_shapes.size_hint
 
 
 def prepend_forward_pre_hook(module, hook):
