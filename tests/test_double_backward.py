@@ -337,6 +337,10 @@ def test_a_first_order_backward_still_holds_only_what_the_policy_keeps(policy):
     x = torch.randn(256, 256, requires_grad=True)
     kept = tracedac.saved_report(f, x, policy=policy).kept_bytes
     checkpointed = tracedac.checkpoint(f, policy=policy)
+    # One step first: on torch 2.15 the first backward here leaves about 66 KiB allocated for
+    # good (once a process: the steps after it hold nothing more), which is not the region's.
+    checkpointed(x).backward()
+    x.grad = w1.grad = w2.grad = None
     held, out, before = _held_after_forward(checkpointed, x)
     # no more than it keeps; less by what the suite's caches (the plan cache, least recently
     # used out) happen to free meanwhile
