@@ -2,6 +2,7 @@
 cut and feasible, plans are cached by structure, and both compose with per-op policies."""
 
 import itertools
+import sys
 from unittest import mock
 
 import networkx as nx
@@ -415,6 +416,15 @@ def test_trade_off_plots_the_frontier_and_the_per_op_policies():
     assert ax.get_xlabel().startswith("bytes kept")
     assert {t.get_text() for t in ax.texts} == {"recompute_all()", "save_matmuls()", "save_all()"}
     assert len(ax.lines[0].get_xdata()) == len(rows)
+
+
+def test_without_matplotlib_plot_says_what_to_install_and_the_table_still_prints(monkeypatch):
+    rows = tracedac.trade_off(Block(), torch.randn(2, 8, 32, requires_grad=True))
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: import raises
+    with pytest.raises(ImportError, match=r"draws with matplotlib, which is not installed.*pip install"):
+        rows.plot()
+    assert "memory_budget(" in str(rows)
 
 
 def test_closure_walks_as_the_replay_plan_does_generator_state_included():

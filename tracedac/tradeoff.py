@@ -65,7 +65,14 @@ class TradeOff(list):
         """Draw the frontier (bytes kept on the device against replay FLOPs), the offload
         frontier if planned (its points labelled with the bytes they offload) and the per-op
         policies' points with matplotlib; returns the axes."""
-        import matplotlib.pyplot as plt
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError(
+                "TradeOff.plot() draws with matplotlib, which is not installed here. Install it "
+                "(pip install matplotlib, or tracedac's 'plot' extra), or print() the trade-off: "
+                "the same frontier as a table."
+            ) from e
 
         if ax is None:
             _, ax = plt.subplots(figsize=(6, 4))
