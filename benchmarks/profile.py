@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import tracedac
 
+from .child import time_in_turns
 from .floors import under_empty_mode, under_least_recorder
 from .llama import DecoderLayer, Llama, LlamaConfig
 from .model import GPT, Block, make_batch
@@ -154,25 +155,30 @@ FLOORS = (  # key, label, apply(model, unit): how the blocks run
 
 
 def _floors(base, unit, batch, dev) -> dict:
-    """The forward alone under each of ``FLOORS``: host and wall seconds, medians."""
-    out = {}
+    """The forward alone under each of ``FLOORS``, in turns (``child.time_in_turns``): host and
+    wall seconds, medians."""
+    models = {}
     for key, _, apply in FLOORS:
-        model = copy.deepcopy(base)
-        apply(model, unit)
-        host, wall = [], []
-        for i in range(FLOOR_REPS + 2):  # two warm-up forwards
-            _sync(dev)
-            start = time.perf_counter()
-            loss = model(*batch)
-            returned = time.perf_counter()
-            _sync(dev)
-            done = time.perf_counter()
-            del loss  # (the least recorder's cannot run backward)
-            if i >= 2:
-                host.append(returned - start)
-                wall.append(done - start)
-        out[key] = {"host_s": statistics.median(host), "wall_s": statistics.median(wall)}
-    return out
+        models[key] = copy.deepcopy(base)
+        apply(models[key], unit)
+        for _ in range(2):  # warm-up forwards
+            models[key](*batch)
+
+    def timed_forward(key, rep):
+        _sync(dev)
+        start = time.perf_counter()
+        loss = models[key](*batch)
+        returned = time.perf_counter()
+        _sync(dev)
+        done = time.perf_counter()
+        del loss  # (the least recorder's cannot run backward)
+        return returned - start, done - start
+
+    times = time_in_turns(models, FLOOR_REPS, timed_forward, lambda _: None)
+    return {
+        key: {"host_s": statistics.median(h for h, _ in t), "wall_s": statistics.median(w for _, w in t)}
+        for key, t in times.items()
+    }
 
 
 def format_report(r: dict) -> str:
