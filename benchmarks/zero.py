@@ -407,7 +407,7 @@ def _compiled_targets(rows: list[dict]) -> list[dict]:
             1.00,
         ),
         target(
-            "tracedac.zero compiled bf16 step / FSDP2 compiled bf16",
+            "tracedac.zero compiled bf16 auto step / FSDP2 compiled bf16, same autocast",
             get("tracedacc_bf16", "step_vs_fsdp2"),
             1.00,
         ),

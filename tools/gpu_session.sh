@@ -18,23 +18,32 @@
 # after each stage, beside $OUT/session.log (the device tool brings back at most 8 files). The
 # stages' limits add up to 665 s; the suite in the background has 520 s, verbose, so that a run
 # stopped at its limit still names its failures (run 3, on 8 cores: 98 % of it in 520 s).
+#
+# A later session that needs only some stages names them, with the suite's share of the cores:
+#   STAGES="kernels gpu_tests zero_compile" SUITE_CORES=10 SUITE_LIMIT=550 EXTRA="python3 x.py" \
+#     OUT=... tools/gpu_session.sh
+# (EXTRA: one more command, run as the stage "extra" after kernels, 60 s.)
 set -u
 OUT=${OUT:-gpu-out}
+STAGES=" ${STAGES:-llama llama_compiled kernels zero gpu_tests profile zero_compile} "
 DEV=${DEVICE:-cuda}  # DEVICE=cpu: a dry run of every stage at the benchmarks' --quick sizes
 if [ "$DEV" = cpu ]; then QUICK=--quick CFG=l.QUICK; else QUICK= CFG=l.CUDA; fi
 W=$(mktemp -d)/work  # outside $OUT: the device tool brings back 8 files at most
 mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 CORES=$(nproc)
-HALF=$((CORES / 2))
-FG="0-$((HALF - 1))"
-BG="$HALF-$((CORES - 1))"
+SUITE_CORES=${SUITE_CORES:-$((CORES / 2))}
+SUITE_LIMIT=${SUITE_LIMIT:-520}
+FIRST_BG=$((CORES - SUITE_CORES))
+FG="0-$((FIRST_BG - 1))"
+BG="$FIRST_BG-$((CORES - 1))"
 
 say() { echo "[$(date +%T)] $*" | tee -a "$W/session.log"; }
 pack() { tar -C "$W/.." -czf "$OUT/results.tgz" work && cp "$W/session.log" "$OUT/"; }
 stage() {  # stage NAME LIMIT_S COMMAND...: run on the foreground cores, log to work/NAME.log
   local name=$1 limit=$2
   shift 2
+  case "$STAGES" in *" $name "*) ;; *) [ "$name" = extra ] || return 0 ;; esac
   say "start $name (limit ${limit}s): $*"
   local t0=$SECONDS
   timeout -k 5 "$limit" taskset -c "$FG" "$@" >"$W/$name.log" 2>&1
@@ -69,8 +78,8 @@ GPU_TESTS="tests/kernels/test_gpu.py tests/kernels/test_host_path.py tests/bench
 # of a path named twice), or the last of them is still running at the limit (run 3: test_tp.py).
 SLOW_FIRST="tests/zero/test_tp.py tests/zero/test_soak.py tests/integrations tests/zero/test_compile.py"
 [ "$DEV" = cpu ] || (
-  CUDA_VISIBLE_DEVICES="" timeout -k 5 520 taskset -c "$BG" \
-    python3 -m pytest -v -p no:cacheprovider -n 7 --timeout 300 $SLOW_FIRST tests >"$W/suite_cpu.log" 2>&1
+  CUDA_VISIBLE_DEVICES="" timeout -k 5 "$SUITE_LIMIT" taskset -c "$BG" \
+    python3 -m pytest -v -p no:cacheprovider -n "$((SUITE_CORES - 1))" --timeout 300 $SLOW_FIRST tests >"$W/suite_cpu.log" 2>&1
   echo "rc=$?" >>"$W/suite_cpu.log"
 ) &
 SUITE=$!
@@ -94,6 +103,7 @@ print(l.format_report(r))
 json.dump(r, open('$W/llama_compiled.json', 'w'), indent=1, default=str)
 "
 stage kernels 40 python3 -m benchmarks --kernels $QUICK --json "$W/kernels.json"
+[ -z "${EXTRA:-}" ] || stage extra 60 bash -c "$EXTRA"
 ZERO_SIZE="--layers 2 --dim 1024 --heads 16 --experts 8 --expert-hidden 2048 --seq 512 --batch 8"
 stage zero 45 python3 -m benchmarks --zero --device $DEV $QUICK $ZERO_SIZE --json "$W/zero.json"
 stage gpu_tests 50 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS

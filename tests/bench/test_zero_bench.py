@@ -238,6 +238,7 @@ def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_e
         "fsdp2c_fp32",
         "tracedac_bf16",
         "tracedacc_bf16",
+        "fsdp2ca_bf16",
         "fsdp2c_bf16",
         "tracedacc_bf16_unchecked",
     ]
@@ -252,6 +253,11 @@ def test_zero_compile_runs_tracedac_and_fsdp2_compiled_with_no_graph_break_and_e
         == by["tracedac_fp32"]["all_gather_bytes"]["float32"]
     )
     assert by["fsdp2c_bf16"]["all_gather_bytes"].get("bfloat16", 0) > 0
+    # the bf16 "auto" rows are measured against FSDP2 under the same autocast: same gathers as
+    # FSDP2's all-bf16 row, a computation closer to tracedac's (its loss nearer the bf16 auto one)
+    assert by["fsdp2ca_bf16"]["all_gather_bytes"] == by["fsdp2c_bf16"]["all_gather_bytes"]
+    for key in ("tracedac_bf16", "tracedacc_bf16", "tracedacc_bf16_unchecked"):
+        assert by[key]["step_vs_fsdp2"] == pytest.approx(by[key]["step_s"] / by["fsdp2ca_bf16"]["step_s"])
     # "auto", compiled: the gather-cast pass puts the Linear and expert weights on the wire in bf16
     auto = by["tracedacc_bf16"]["all_gather_bytes"]
     assert auto.get("bfloat16", 0) > 2 * auto.get("float32", 0), auto

@@ -106,3 +106,41 @@ def test_auto_picks_triton_on_cuda_and_agrees_with_torch_backend(dtype):
     pack_cast(srcs, a)
     pack_cast(srcs, b, backend="torch")
     assert torch.equal(to_bits(a), to_bits(b))
+
+
+def test_a_repeated_launch_skips_tritons_runner_and_honours_a_launch_hook():
+    """After the first call, a prepared launch calls the compiled kernel's launcher itself
+    (``launch._bare_launcher``): the same bits on new values, on another stream, and a launch
+    hook registered meanwhile (a profiler's) sends the call through Triton's runner again."""
+    from triton import knobs
+
+    from tracedac.kernels import cast as cast_module
+
+    cast_module._pack_calls.clear()
+    gen = torch.Generator().manual_seed(3)
+    srcs = [torch.randn(n, generator=gen).to(CUDA) for n in (4096, 1000, 8 * 999)]
+    dst = torch.empty(sum(s.numel() for s in srcs), dtype=torch.bfloat16, device=CUDA)
+    pack_cast(srcs, dst, backend="triton")
+    entry = next(iter(cast_module._pack_calls._entries.values()))
+    assert entry.launch.bare is not None  # Triton 3.6 and 3.9 both have the launcher
+    for s in srcs:
+        s.mul_(-2)
+    dst.fill_(0)
+    pack_cast(srcs, dst, backend="triton")
+    assert_same_bits(dst, expected_pack(srcs, torch.bfloat16).to(CUDA))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for s in srcs:
+            s.add_(1)
+        pack_cast(srcs, dst, backend="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    assert_same_bits(dst, expected_pack(srcs, torch.bfloat16).to(CUDA))
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731 (a LazyDict)
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        pack_cast(srcs, dst, backend="triton")
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["pack_cast_kernel"]

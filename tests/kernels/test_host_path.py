@@ -7,6 +7,8 @@ must give the same bits without running the checks again, and any change to that
 checked again and refused with the error a first call gets.
 """
 
+import types
+
 import pytest
 import torch
 
@@ -217,3 +219,61 @@ def test_accumulate_repeats_skip_the_checks_and_changes_are_refused(backend, cou
     accumulate_(buffer[:8], buffer[8:16], backend=backend)
     with pytest.raises(ValueError, match=r"source 0 overlaps dst"):
         accumulate_(buffer[:8], buffer[4:12], backend=backend)
+
+
+class _Compiled:
+    """A stand-in for Triton's compiled kernel: records what its launcher is called with."""
+
+    function, packed_metadata = "function", ("warps", "ctas", "shared")
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+class _Driver:
+    current = 0
+
+    def get_current_device(self):
+        return self.current
+
+    def get_current_stream(self, device):
+        return 1000 + device
+
+
+def test_a_prepared_launch_calls_the_compiled_kernels_launcher_unless_hooked(monkeypatch):
+    """``_bare_launcher`` (CUDA only: checked here with stand-ins for the compiled kernel and
+    Triton's driver; tests/kernels/test_gpu.py runs the real one) passes every parameter in
+    the kernel's order, pointers as integers, on the device's current stream; another current
+    device or a registered launch hook (a profiler's) leaves the launch to Triton's runner."""
+    pytest.importorskip("triton")
+    from triton import knobs
+    from triton.runtime import driver
+
+    from tracedac.kernels.triton_kernels import pack_cast_kernel
+
+    fake = _Driver()
+    monkeypatch.setattr(driver, "_active", fake)
+    compiled = _Compiled()
+    meta = dict(DST_KIND=1, ACCUMULATE=False, ALIGNED=True, DST_ALIGN=8, BLOCK=4096, num_warps=8)
+    launch = launch_module._bare_launcher(compiled, pack_cast_kernel, 7, (11, 22, 33), meta)
+    assert launch(0) is True
+    assert compiled.calls == [
+        (7, 1, 1, 1000, "function", compiled.packed_metadata, None, None, None)
+        + (11, 22, 33, 1, False, True, 8, 4096)
+    ]
+    fake.current = 1
+    assert launch(0) is False and len(compiled.calls) == 1
+    fake.current = 0
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert launch(0) is False and len(compiled.calls) == 1
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert launch(0) is True and len(compiled.calls) == 2
+    # a Triton whose compiled kernel has no such launcher: none is made, Triton's runner launches
+    older = types.SimpleNamespace(run=compiled.run, packed_metadata=compiled.packed_metadata)
+    assert launch_module._bare_launcher(older, pack_cast_kernel, 7, (11, 22, 33), meta) is None

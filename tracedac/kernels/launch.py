@@ -3,8 +3,17 @@
 A launch is prepared once for a call's key (``cast.py``): the plan with its device table, the
 grid, the kernel's constexpr arguments and dst's device index are all fixed by the sources' and
 dst's metadata, so a :class:`Launch` keeps them and each later call with the same key only
-passes the current ``dst`` to the kernel. Triton is used only through its public launch syntax,
-``kernel[grid](*args, **meta)``, which is the same in every Triton 3 release.
+passes the current ``dst`` to the kernel.
+
+The first launch goes through Triton's public syntax, ``kernel[grid](*args, **meta)``, which
+compiles the kernel and returns it. Every later launch of a prepared :class:`Launch` calls that
+compiled kernel's launcher directly (:func:`_bare_launcher`): Triton's ``kernel[grid]`` binds and
+specializes every argument, looks the kernel up and builds launch metadata on each call, and its
+launcher asks the driver about each tensor's pointer: about 50 us of host time per call on the
+H200 machine (docs/gpu.md, run 3), the fixed cost that made small units slower than FSDP2's
+copy-in. A prepared launch has nothing left to decide: the same kernel, grid, constants and
+pointers every call. Where this Triton's compiled kernel lacks what that needs, or a launch hook
+is registered (a profiler: Triton's runner passes it launch metadata), the public path runs.
 
 Triton is imported here, on first use, never when ``tracedac.kernels`` is imported.
 """
@@ -75,11 +84,13 @@ class Launch:
     ``keepalive``, its copies: such a launch is not ``cacheable`` and serves one call).
     """
 
-    __slots__ = ("plan", "kernel", "grid", "meta", "device", "cacheable")
+    __slots__ = ("plan", "kernel", "grid", "meta", "device", "cacheable", "bare", "dst_ptr")
 
     def __init__(self, srcs: list[torch.Tensor], dst: torch.Tensor, accumulate: bool) -> None:
         self.plan: Plan | None = None  # None: dst is empty, nothing to launch
         self.cacheable = True
+        self.bare = None  # CUDA, after the first launch: the compiled kernel's launcher (_bare_launcher)
+        self.dst_ptr = dst.data_ptr()
         if dst.numel() == 0:
             return
         interpreted = dst.device.type == "cpu"
@@ -106,6 +117,10 @@ class Launch:
         plan = self.plan
         if plan is None:
             return
+        bare = self.bare
+        if bare is not None and dst.data_ptr() == self.dst_ptr and bare(self.device):
+            launches += 1
+            return
         run = self.kernel[self.grid]
         if self.device is None:
             import numpy
@@ -113,12 +128,58 @@ class Launch:
             # inf - inf and NaN inputs are expected here; a GPU does not warn about them either.
             with numpy.errstate(invalid="ignore", over="ignore"):
                 run(plan.segment_table, plan.block_rows, dst, **self.meta)
-        elif self.device == torch.cuda.current_device():
-            run(plan.segment_table, plan.block_rows, dst, **self.meta)
         else:
-            with torch.cuda.device(self.device):
-                run(plan.segment_table, plan.block_rows, dst, **self.meta)
+            if self.device == torch.cuda.current_device():
+                compiled = run(plan.segment_table, plan.block_rows, dst, **self.meta)
+            else:
+                with torch.cuda.device(self.device):
+                    compiled = run(plan.segment_table, plan.block_rows, dst, **self.meta)
+            if bare is None and self.cacheable and dst.data_ptr() == self.dst_ptr:
+                pointers = (plan.segment_table.data_ptr(), plan.block_rows.data_ptr(), self.dst_ptr)
+                self.bare = _bare_launcher(compiled, self.kernel, self.grid[0], pointers, self.meta)
         launches += 1
+
+
+def _bare_launcher(compiled, kernel, programs: int, pointers: tuple, meta: dict):
+    """``launch(device) -> bool``: launches ``compiled`` (what ``kernel[grid](...)`` returned)
+    on ``programs`` programs with the kernel's ``pointers`` (as integers) and constexpr ``meta``
+    on ``device``'s current stream, and returns True; returns False, launching nothing, when
+    ``device`` is not the current one or a launch hook is registered. None where this Triton's
+    compiled kernel has no such launcher.
+
+    It makes the call Triton's own runner (``CompiledKernel.__getitem__``, the same in Triton
+    3.6 and 3.9) makes: ``run(grid, stream, function, packed_metadata, launch_metadata,
+    enter_hook, exit_hook, *args)``, with no launch metadata and no hooks, which is what that
+    runner passes when none is registered. Pointers go as integers, so the launcher does not
+    ask the driver about each one (the addresses were checked by the first, public, launch).
+    """
+    try:
+        from triton import knobs
+        from triton.runtime import driver
+
+        # every parameter in order, constexprs included, as the JIT passes them to the launcher
+        args = (*pointers, *[meta[name] for name in kernel.arg_names[len(pointers) :]])
+        run = compiled.run  # (loads the module on first access)
+        function, packed = compiled.function, compiled.packed_metadata
+        runtime = knobs.runtime
+        runtime.launch_enter_hook, runtime.launch_exit_hook  # noqa: B018 (present in this Triton)
+        current_stream = driver.active.get_current_stream
+        current_device = driver.active.get_current_device
+    except (ImportError, AttributeError, KeyError, RuntimeError):
+        return None
+
+    def unhooked(hook) -> bool:
+        return hook is None or not getattr(hook, "calls", True)  # Triton 3.6+: an empty HookChain
+
+    def launch(device: int) -> bool:
+        if device != current_device() or not (
+            unhooked(runtime.launch_enter_hook) and unhooked(runtime.launch_exit_hook)
+        ):
+            return False
+        run(programs, 1, 1, current_stream(device), function, packed, None, None, None, *args)
+        return True
+
+    return launch
 
 
 def prepare(srcs: list[torch.Tensor], dst: torch.Tensor, *, accumulate: bool) -> Launch:
