@@ -10,6 +10,12 @@ import torch.distributed as dist
 # A child that crashes (a rank, a benchmark run) prints its Python stack before it dies, so a
 # test that fails with a signal says where: every process the suite starts inherits this.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# Inductor compiles in the process that asks (no pool of compile workers): by default it starts
+# one worker per core in every process that compiles, each importing torch. The tests compile
+# small graphs, in up to a dozen processes at once (xdist workers, each spawned rank): on the
+# 16-core GPU machine (run 4, 2026-11-27) tests/zero/test_tp.py's four compiling ranks did not
+# finish in 480 s beside the rest of the suite, where a 2-core VM takes 47 s either way.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture
