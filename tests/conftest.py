@@ -11,10 +11,11 @@ import torch.distributed as dist
 # test that fails with a signal says where: every process the suite starts inherits this.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # Inductor compiles in the process that asks (no pool of compile workers): by default it starts
-# one worker per core in every process that compiles, each importing torch. The tests compile
-# small graphs, in up to a dozen processes at once (xdist workers, each spawned rank): on the
-# 16-core GPU machine (run 4, 2026-11-27) tests/zero/test_tp.py's four compiling ranks did not
-# finish in 480 s beside the rest of the suite, where a 2-core VM takes 47 s either way.
+# a worker per core in every process that compiles, each importing torch, for the small graphs
+# the tests compile. On the 16-core GPU machine (run 4, 2026-11-27) the suite under pytest-xdist
+# had up to 13 workers each running tests/zero/test_tp.py's four compiling ranks (xdist's default
+# scheduling hands a module's tests to several workers, each running its module fixture:
+# tools/gpu_session.sh now passes --dist loadscope), each rank with a pool of one per core.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 

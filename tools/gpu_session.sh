@@ -76,10 +76,13 @@ GPU_TESTS="tests/kernels/test_gpu.py tests/kernels/test_host_path.py tests/bench
   tests/test_compiled_replay.py::test_on_cuda_by_default_a_repeated_replay_runs_compiled_within_bf16_rounding"
 # The modules that spawn process groups and compile for minutes go first (pytest keeps one copy
 # of a path named twice), or the last of them is still running at the limit (run 3: test_tp.py).
+# --dist loadscope: each module's tests on one worker. xdist's default handed test_tp.py's tests
+# to every worker, and each ran the module's fixture, a 4-rank spawn that compiles (run 4: 13
+# copies at once, none done in 480 s; one takes 47 s on a 2-core VM).
 SLOW_FIRST="tests/zero/test_tp.py tests/zero/test_soak.py tests/integrations tests/zero/test_compile.py"
 [ "$DEV" = cpu ] || (
   CUDA_VISIBLE_DEVICES="" timeout -k 5 "$SUITE_LIMIT" taskset -c "$BG" \
-    python3 -m pytest -v -p no:cacheprovider -n "$((SUITE_CORES - 1))" --timeout 300 $SLOW_FIRST tests >"$W/suite_cpu.log" 2>&1
+    python3 -m pytest -v -p no:cacheprovider -n "$((SUITE_CORES - 1))" --dist loadscope --timeout 300 $SLOW_FIRST tests >"$W/suite_cpu.log" 2>&1
   echo "rc=$?" >>"$W/suite_cpu.log"
 ) &
 SUITE=$!
