@@ -89,7 +89,9 @@ class Launch:
     def __init__(self, srcs: list[torch.Tensor], dst: torch.Tensor, accumulate: bool) -> None:
         self.plan: Plan | None = None  # None: dst is empty, nothing to launch
         self.cacheable = True
-        self.bare = None  # CUDA, after the first launch: the compiled kernel's launcher (_bare_launcher)
+        # CUDA, after the first launch: the compiled kernel's launcher (_bare_launcher), or False
+        # where this Triton has none (then Triton's runner launches every call, as at first)
+        self.bare = None
         self.dst_ptr = dst.data_ptr()
         if dst.numel() == 0:
             return
@@ -118,7 +120,7 @@ class Launch:
         if plan is None:
             return
         bare = self.bare
-        if bare is not None and dst.data_ptr() == self.dst_ptr and bare(self.device):
+        if bare and dst.data_ptr() == self.dst_ptr and bare(self.device):
             launches += 1
             return
         run = self.kernel[self.grid]
@@ -136,7 +138,7 @@ class Launch:
                     compiled = run(plan.segment_table, plan.block_rows, dst, **self.meta)
             if bare is None and self.cacheable and dst.data_ptr() == self.dst_ptr:
                 pointers = (plan.segment_table.data_ptr(), plan.block_rows.data_ptr(), self.dst_ptr)
-                self.bare = _bare_launcher(compiled, self.kernel, self.grid[0], pointers, self.meta)
+                self.bare = _bare_launcher(compiled, self.kernel, self.grid[0], pointers, self.meta) or False
         launches += 1
 
 
