@@ -9,11 +9,12 @@ The first launch goes through Triton's public syntax, ``kernel[grid](*args, **me
 compiles the kernel and returns it. Every later launch of a prepared :class:`Launch` calls that
 compiled kernel's launcher directly (:func:`_bare_launcher`): Triton's ``kernel[grid]`` binds and
 specializes every argument, looks the kernel up and builds launch metadata on each call, and its
-launcher asks the driver about each tensor's pointer: about 50 us of host time per call on the
-H200 machine (docs/gpu.md, run 3), the fixed cost that made small units slower than FSDP2's
-copy-in. A prepared launch has nothing left to decide: the same kernel, grid, constants and
-pointers every call. Where this Triton's compiled kernel lacks what that needs, or a launch hook
-is registered (a profiler: Triton's runner passes it launch metadata), the public path runs.
+launcher asks the driver about each tensor's pointer: on the H200 machine a call took 58 us of
+host time that way and takes 28 this way (docs/gpu.md, run 4), the fixed cost that had made
+small units slower than FSDP2's copy-in. A prepared launch has nothing left to decide: the same
+kernel, grid, constants and pointers every call. Where this Triton's compiled kernel lacks what
+that needs, or a launch hook is registered (a profiler: Triton's runner passes it launch
+metadata), the public path runs.
 
 Triton is imported here, on first use, never when ``tracedac.kernels`` is imported.
 """
