@@ -36,6 +36,6 @@ for hidden in (208, 832, 1440, 2048) if on_gpu else (64,):
         assert torch.equal(dst.view(torch.int16), want), way
         host = k._host_time(fn, repeats, on_gpu) * 1e6
         ms = timer(fn, repeats) * 1e3
-        bare = next(iter(cast_module._pack_calls._entries.values())).launch.bare is not None
+        bare = bool(next(iter(cast_module._pack_calls._entries.values())).launch.bare)
         print(f"{n / 1e6:8.2f}M {way:>18s} {host:8.1f} {ms:8.4f}  {bare}", flush=True)
 launch_module._bare_launcher = bare_launcher
