@@ -3,6 +3,7 @@
 host us per call and back-to-back device-clock ms, Llama blocks of 0.53M to 51M elements,
 fp32 -> bf16, bit-checked. (FSDP2's copy-in and the copy: ``python -m benchmarks --kernels``.)
 Usage: python .gpu/launch_ab.py [cuda|cpu]"""
+
 import os
 import sys
 
@@ -29,7 +30,9 @@ for hidden in (208, 832, 1440, 2048) if on_gpu else (64,):
     want = torch.cat([s.reshape(-1) for s in srcs]).to(torch.bfloat16).view(torch.int16)
     for way in ("compiled launcher", "Triton runner"):
         cast_module._pack_calls.clear()
-        launch_module._bare_launcher = bare_launcher if way == "compiled launcher" else (lambda *a, **kw: None)
+        launch_module._bare_launcher = (
+            bare_launcher if way == "compiled launcher" else (lambda *a, **kw: None)
+        )
         fn = lambda: pack_cast(srcs, dst, backend="triton")  # noqa: E731
         fn()
         fn()
