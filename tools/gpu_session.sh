@@ -25,7 +25,7 @@
 # (EXTRA: one more command, run as the stage "extra" after kernels, 60 s.)
 set -u
 OUT=${OUT:-gpu-out}
-STAGES=" ${STAGES:-llama llama_compiled kernels zero gpu_tests profile zero_compile} "
+STAGES=" ${STAGES:-llama llama_compiled kernels zero gpu_tests profile zero_compile} ${EXTRA:+extra }"
 DEV=${DEVICE:-cuda}  # DEVICE=cpu: a dry run of every stage at the benchmarks' --quick sizes
 if [ "$DEV" = cpu ]; then QUICK=--quick CFG=l.QUICK; else QUICK= CFG=l.CUDA; fi
 W=$(mktemp -d)/work  # outside $OUT: the device tool brings back 8 files at most
@@ -43,7 +43,7 @@ pack() { tar -C "$W/.." -czf "$OUT/results.tgz" work && cp "$W/session.log" "$OU
 stage() {  # stage NAME LIMIT_S COMMAND...: run on the foreground cores, log to work/NAME.log
   local name=$1 limit=$2
   shift 2
-  case "$STAGES" in *" $name "*) ;; *) [ "$name" = extra ] || return 0 ;; esac
+  case "$STAGES" in *" $name "*) ;; *) return 0 ;; esac
   say "start $name (limit ${limit}s): $*"
   local t0=$SECONDS
   timeout -k 5 "$limit" taskset -c "$FG" "$@" >"$W/$name.log" 2>&1
@@ -106,7 +106,7 @@ print(l.format_report(r))
 json.dump(r, open('$W/llama_compiled.json', 'w'), indent=1, default=str)
 "
 stage kernels 40 python3 -m benchmarks --kernels $QUICK --json "$W/kernels.json"
-[ -z "${EXTRA:-}" ] || stage extra 60 bash -c "$EXTRA"
+stage extra 60 bash -c "${EXTRA:-}"
 ZERO_SIZE="--layers 2 --dim 1024 --heads 16 --experts 8 --expert-hidden 2048 --seq 512 --batch 8"
 stage zero 45 python3 -m benchmarks --zero --device $DEV $QUICK $ZERO_SIZE --json "$W/zero.json"
 stage gpu_tests 50 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS
