@@ -41,7 +41,10 @@ every step a seed shared by all variants and ranks, so dropout draws alike. Figu
 - **all-gather bytes per step, by dtype**: one more step under ``AllGatherCounter``, a
   dispatch mode that counts ``c10d``/``_c10d_functional`` all-gather ops (the gathered
   tensors' bytes), entering custom ops so that collectives inside them are seen too.
-  Counted on rank 0 (all-gathers are symmetric).
+  Counted on rank 0 (all-gathers are symmetric). With two ranks or more tracedac gathers a
+  unit's groups in one all-gather of bytes, each group in its own dtype (``uint8`` here, as
+  FSDP2 counts when a unit's parameters differ in dtype): the split by dtype is then not
+  seen from outside; the total is what the bf16 / fp32 bytes goal reads.
 - **loss after N steps**: the loss of the last timed step averaged over ranks (= the
   loss of the global batch), and its difference from the replicated run's.
 

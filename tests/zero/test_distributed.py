@@ -29,6 +29,7 @@ def two_ranks(tmp_path_factory):
         ("mismatched", ()),
         ("diverge", ()),
         ("diverge_after_a_step", ()),
+        ("diverge_in_backward", ()),
         ("checks", ()),
         ("equivalence", (VARIANTS,)),
         ("memory", ()),
@@ -149,24 +150,50 @@ def test_ranks_that_diverge_after_the_order_is_learned_raise_too(two_ranks):
         assert live == 0
 
 
-def test_a_units_groups_are_checked_once_and_train_as_before(two_ranks):
+def test_ranks_whose_unit_reduces_other_groups_raise_instead_of_pairing_reductions(two_ranks):
+    """A unit's groups reduce in one collective once the order is learned; where one of them
+    gets no gradient on one rank, the ranks would pair reduce-scatters of different sizes.
+    Both raise, naming the reduce-scatter, before anything is exchanged."""
+    for rank, (elapsed, message) in enumerate(_part(two_ranks, "diverge_in_backward")):
+        assert message is not None and "reduce-scatter" in message and "blocks.2" in message, message
+        assert elapsed < 10, elapsed
+
+
+def test_a_units_groups_are_checked_once_sent_once_and_train_as_before(two_ranks):
     """Under "auto" each block is three groups (LayerNorm, Linear, the Block's own). Once a
     pass has taught the order, one order check covers a unit's all-gathers, which start
-    together: at most half as many checks as all-gathers, and exactly the all-gathers of
-    the same model without prefetching (each checked alone): none wasted, none more. Losses
-    equal that model's and the module list's (whose blocks are two groups)."""
+    together as one collective, and one covers its reductions, one reduce-scatter: per step,
+    one all-gather per unit and pass and one reduce-scatter per unit, as under the module list
+    (two groups a block), where the same model without prefetching sends one per group.
+    Every check precedes exactly one collective. A step whose order differs from the last
+    (block 1 skipped on every rank) and the step after it send more, alone where the order
+    broke, and train the same: losses equal, parameters bit for bit. Eager, a unit's one
+    all-gather in flight holds its byte buffer only: the groups' outputs are allocated at its
+    wait, when the bytes are copied into them."""
     for result in _part(two_ranks, "checks"):
         auto, alone, listed = result["auto"], result["auto-alone"], result["listed"]
         assert auto["losses"] == alone["losses"] == listed["losses"], result
+        assert result["params"] == 0.0, result
         assert auto["groups"] > listed["groups"], result
         for r in (auto, alone, listed):
             first = r["counts"][0]
             assert first["checks"] == first["all-gather"] + first["reduce-scatter"], r  # nothing learned yet
+            for c in r["counts"]:
+                assert c["checks"] == c["sent all-gather"] + c["sent reduce-scatter"], r
+                assert c.get("allocated in flight", 0) == 0, r
         for c in alone["counts"]:
-            assert c["checks"] == c["all-gather"] + c["reduce-scatter"], alone
-        last, last_alone = auto["counts"][-1], alone["counts"][-1]
-        assert last["all-gather"] == last_alone["all-gather"], result
-        assert last["checks"] - last["reduce-scatter"] <= last["all-gather"] // 2, auto
+            assert c["sent all-gather"] == c["all-gather"], alone
+            assert c["sent reduce-scatter"] == c["reduce-scatter"], alone
+        learned, as_listed, one_each = auto["counts"][2], listed["counts"][2], alone["counts"][2]
+        assert learned["all-gather"] == one_each["all-gather"], result  # the same groups gathered
+        assert learned["sent all-gather"] == as_listed["sent all-gather"] < learned["all-gather"] // 2, result
+        assert learned["sent reduce-scatter"] == as_listed["sent reduce-scatter"], result
+        assert learned["sent reduce-scatter"] == learned["sent all-gather"] // 2, result  # one a unit
+        assert learned["sent reduce-scatter"] < learned["reduce-scatter"] // 2, result
+        # The step without block 1 ran out of the learned order (it would send two fewer
+        # all-gathers than a learned step if every unit's still went as one): some went alone.
+        broken = auto["counts"][3]
+        assert broken["sent all-gather"] > learned["sent all-gather"] - 2, result
 
 
 def test_a_rank_that_dies_makes_the_others_fail_within_the_timeout():

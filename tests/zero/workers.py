@@ -31,13 +31,15 @@ class Block(nn.Module):
         self.frozen = nn.Parameter(torch.randn(d) * 0.1, requires_grad=False)
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.checkpoint_lin1 = False  # torch.utils.checkpoint around lin1, inside the unit
+        self.odd_constant = False  # odd read detached: its group gets no gradient (ranks that diverge)
 
     def forward(self, x):  # [B, D]
         self.calls.add_(1)  # a side effect (an MoE router's counter): once per step
         h = self.norm(x)
         h = checkpoint(self.lin1, h, use_reentrant=False) if self.checkpoint_lin1 else self.lin1(h)
         h = self.lin2(F.gelu(h))
-        return x + h.float() * (1 + self.odd.sum()) + self.frozen
+        odd = self.odd.detach() if self.odd_constant else self.odd
+        return x + h.float() * (1 + odd.sum()) + self.frozen
 
 
 class Model(nn.Module):
@@ -318,46 +320,99 @@ def diverge(rank, world, learned=False):
     return time.monotonic() - start, None, len(zgathered._LIVE)
 
 
+def diverge_in_backward(rank, world):
+    """Under "auto" (three groups a block), after a step has taught the order in which a
+    unit's groups reduce together: rank 1's block 2 reads its own parameter detached, so that
+    group gets no gradient there. Every rank raises ZeroError at the first collective that
+    differs. Returns (seconds, message)."""
+    m = zero.shard(model(tie=False), mixed_precision=zero.MixedPrecision("auto"), timeout=20)
+    train(m, rank, world, steps=1)
+    m.blocks[2].odd_constant = rank == 1
+    x, y = rank_batch(1, rank, world)
+    start = time.monotonic()
+    try:
+        F.mse_loss(m(x), y).backward()
+    except zero.ZeroError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None
+
+
 def diverge_after_a_step(rank, world):
     return diverge(rank, world, learned=True)
 
 
 class CheckLog:
-    """Counts order checks, and the collectives each covers by kind, until ``close``."""
+    """Counts order checks, the groups each covers by kind, the collectives that move
+    parameters or gradients ("sent all-gather", "sent reduce-scatter"), and the groups'
+    outputs a unit's one all-gather had allocated before its wait ("allocated in flight"),
+    until ``close``."""
 
     def __init__(self):
         self.counted = collections.Counter()
-        self._agree = real = zgroup.FlatGroup.agree
+        self._real = real = (
+            zgroup.FlatGroup.agree,
+            zgroup._all_gather,
+            zgroup._reduce_scatter,
+            zgroup._Joint.wait,
+        )
         log = self
+
+        def wait(joint, timeout=None):
+            if joint.out is not None:  # the first wait: the one that copies the groups out
+                log.counted["allocated in flight"] += sum(o is not None for o in joint.outs)
+            return real[3](joint, timeout)
 
         def agree(flat, what, dtype, together=()):
             log.counted["checks"] += 1
             log.counted[what] += 1 + len(together)
-            return real(flat, what, dtype, together)
+            return real[0](flat, what, dtype, together)
+
+        def sent(what, collective):
+            def run(out, src, **kw):
+                if out.dtype != torch.int64:  # not an order check's rows
+                    log.counted[f"sent {what}"] += 1
+                return collective(out, src, **kw)
+
+            return run
 
         zgroup.FlatGroup.agree = agree
+        zgroup._all_gather = sent("all-gather", real[1])
+        zgroup._reduce_scatter = sent("reduce-scatter", real[2])
+        zgroup._Joint.wait = wait
 
     def close(self):
-        zgroup.FlatGroup.agree = self._agree
+        zgroup.FlatGroup.agree, zgroup._all_gather, zgroup._reduce_scatter, zgroup._Joint.wait = self._real
 
 
 def checks(rank, world):
-    """Order checks and all-gathers started per step under "auto" (three groups per block),
-    with prefetching (a unit's groups start together) and without (each checked alone), and
-    under the module list; the losses of each."""
+    """Order checks, groups gathered and reduced, and collectives sent per step under "auto"
+    (three groups per block), with prefetching (a unit's groups start together and reduce
+    together) and without (each checked and sent alone), and under the module list; the
+    losses of each, and the parameters after. The fourth of five steps skips block 1 on every
+    rank: the order learned from the third no longer holds, and the fifth's was learned from
+    the fourth."""
     from .auto_workers import _train
 
-    out = {}
+    out, params = {}, {}
     for name, mp, prefetch in (
         ("listed", zero.MixedPrecision(), True),
         ("auto", zero.MixedPrecision("auto"), True),
         ("auto-alone", zero.MixedPrecision("auto"), False),
     ):
         m = zero.shard(model(tie=False), mixed_precision=mp, prefetch=prefetch)
-        losses, counts = _train(m, rank, world, log=CheckLog, read=lambda log: dict(log.counted))
+
+        def read(log, m=m):
+            m.skip = (1,) if len(m.logged) == 2 else ()  # for the next step
+            m.logged.append(None)
+            return dict(log.counted)
+
+        m.logged = []
+        losses, counts = _train(m, rank, world, steps=5, log=CheckLog, read=read)
+        params[name] = zero.full_state_dict(m)
         out[name] = dict(
             losses=losses, counts=counts, groups=len({g.key for g in m._tracedac_zero.all_groups})
         )
+    out["params"] = max_diff(params["auto"], params["auto-alone"])
     return out
 
 

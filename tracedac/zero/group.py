@@ -48,9 +48,14 @@ def _dtype_named(code: int) -> str:
     return next((str(d) for d in known if _dtype_code(d) == code), "another dtype")
 
 
+def _graph_task() -> int:
+    """The autograd engine's id of the backward running on this thread; -1 outside one."""
+    return torch._C._current_graph_task_id()
+
+
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task() != -1
 
 
 def group_of(key: str) -> FlatGroup:
@@ -67,10 +72,87 @@ def group_of(key: str) -> FlatGroup:
 class _Pending:
     """An all-gather in flight: its work handle, its output, and its input (alive until done)."""
 
-    __slots__ = ("work", "out", "src")
+    __slots__ = ("work", "_out", "src", "dtype")
 
     def __init__(self, work, out, src):
-        self.work, self.out, self.src = work, out, src
+        self.work, self._out, self.src, self.dtype = work, out, src, out.dtype
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self._out
+
+    def wrote(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is this gather's output (what ``all_gather_start`` handed out)."""
+        return self._out is not None and self._out.data_ptr() == t.data_ptr()
+
+
+class _Part(_Pending):
+    """One group's share of a ``_Joint``: its output is allocated when first read, so that a
+    joint gather in flight holds its one byte buffer, not that and each group's output too."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, joint, index: int, dtype: torch.dtype):
+        self.work, self.src, self.index, self.dtype = joint, None, index, dtype
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.work.output(self.index)
+
+    @property
+    def _out(self) -> torch.Tensor | None:  # what ``wrote`` compares: None until allocated
+        return self.work.outs[self.index]
+
+
+class _Joint:
+    """One all-gather for several groups of a unit (``FlatGroup.start`` with ``together``):
+    each group's input, cast to its travel dtype, lies in one byte buffer (the widest dtypes
+    first, so that every piece is aligned to its element size), gathered once. The first wait,
+    by whichever group, copies each group's rank-major piece into that group's own output,
+    and lets the byte buffers go; the others find it done. It is the work handle of each
+    group's ``_Part``."""
+
+    __slots__ = ("work", "out", "src", "world", "spans", "outs", "sizes")
+
+    def __init__(self, group, run: list):
+        """``run``: ``(FlatGroup, shard, dtype)`` for each group, in the order checked."""
+        device = run[0][1].device
+        placed = sorted(range(len(run)), key=lambda i: -run[i][2].itemsize)  # stable: ties keep order
+        at, self.spans = 0, [None] * len(run)
+        for i in placed:
+            g, _, dtype = run[i]
+            self.spans[i] = (at, at + g.shard_numel * dtype.itemsize)
+            at = self.spans[i][1]
+        self.src = torch.empty(at, dtype=torch.uint8, device=device)
+        for (g, shard, dtype), (lo, hi) in zip(run, self.spans):
+            pack_cast([shard.detach()], self.src[lo:hi].view(dtype))
+        self.world = group.world
+        self.out = torch.empty(self.world * at, dtype=torch.uint8, device=device)
+        self.outs = [None] * len(run)
+        self.sizes = [(self.world * g.shard_numel, dtype, device) for g, _, dtype in run]
+        self.work = _all_gather(self.out, self.src, group=group.group, async_op=True)
+
+    def parts(self) -> list[_Part]:
+        return [_Part(self, i, dtype) for i, (_, dtype, _) in enumerate(self.sizes)]
+
+    def output(self, i: int) -> torch.Tensor:
+        if self.outs[i] is None:
+            numel, dtype, device = self.sizes[i]
+            self.outs[i] = torch.empty(numel, dtype=dtype, device=device)
+        return self.outs[i]
+
+    def wait(self, timeout=None):
+        if self.out is None:
+            return True  # another group's wait copied every piece out
+        done = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        if done is False:
+            return False
+        rows = self.out.view(self.world, -1)
+        for i, (lo, hi) in enumerate(self.spans):
+            out = self.output(i)
+            out.view(self.world, -1).copy_(rows[:, lo:hi].view(out.dtype))
+        self.out = self.src = None
+        return True
 
 
 def collective_device(backend: str, buffer_device: torch.device) -> torch.device:
@@ -205,9 +287,10 @@ class FlatGroup:
             raise ZeroError(
                 f"rank {self.rank} is at the {what} of {self.name} with {len(run) - 1} more of its unit's "
                 f"groups, as the last pass ran them, but rank {r} is at it with {count - 1}: one of them "
-                "left the last pass's order of gathers, so the ranks run different units (a branch "
-                "taken on some ranks only, a unit skipped, a different number of forwards). Every rank "
-                "must run the same units in the same order; nothing was exchanged."
+                "left the last pass's order, so the ranks run different units (a branch taken on some "
+                "ranks only, a unit skipped, a parameter that gets a gradient on some ranks only, a "
+                "different number of forwards). Every rank must run the same units in the same order; "
+                "nothing was exchanged."
             )
         theirs = next(
             (g.name for g in list(_GROUPS.values()) if g.crc == crc), "a group this rank does not know"
@@ -216,8 +299,9 @@ class FlatGroup:
             f"rank {self.rank} is at the {what} of {self.name}{more} but rank {r} is at the "
             f"{_WHAT_NAMES.get(kind, 'unknown collective')} of {theirs}"
             f"{f' (and {count - 1} more)' if count > 1 else ''}: the ranks run different "
-            "units (a branch taken on some ranks only, a unit skipped, a different number of "
-            "forwards). Every rank must run the same units in the same order; nothing was exchanged."
+            "units (a branch taken on some ranks only, a unit skipped, a parameter that gets a "
+            "gradient on some ranks only, a different number of forwards). Every rank must run the "
+            "same units in the same order; nothing was exchanged."
         )
 
     def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None, together: tuple = ()) -> _Pending:
@@ -226,9 +310,13 @@ class FlatGroup:
         pending until its own gather takes it), after one order check for all."""
         dtype = self.travel if dtype is None else dtype
         self.agree("all-gather", dtype, tuple((g, g.travel) for g in together))
-        pending = self._issue(shard, dtype)
-        for g in together:
-            g.pending = g._issue(g.leaf, g.travel)
+        if together and self.world > 1:
+            run = [(self, shard, dtype), *((g, g.leaf, g.travel) for g in together)]
+            pending, *rest = _Joint(self, run).parts()
+        else:  # alone, or one rank: a collective is a local copy there, and one per group copies least
+            pending, rest = self._issue(shard, dtype), [g._issue(g.leaf, g.travel) for g in together]
+        for g, p in zip(together, rest):
+            g.pending = p
             self.state.started(g)
         return pending
 
@@ -245,15 +333,14 @@ class FlatGroup:
     def gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full parameters, parameter after parameter (``layout``), in the travel dtype (or
         ``dtype``, and later prefetches with it): prefetched if started in that dtype."""
-        started = self.begin_gather(shard, self.dtype if dtype is None else dtype)
-        return self.end_gather(started.out)
+        return self._finish(self.begin_gather(shard, self.dtype if dtype is None else dtype))
 
     def begin_gather(self, shard: torch.Tensor, dtype: torch.dtype) -> _Pending:
         """The pending gather in ``dtype`` (one in another dtype is waited for and dropped),
         started now unless it is; later prefetches gather in ``dtype``. ``all_gather_start``."""
         self.travel = dtype
         pending = self.pending
-        if pending is not None and pending.out.dtype != dtype:  # started before the dtype changed
+        if pending is not None and pending.dtype != dtype:  # started before the dtype changed
             self.wait(pending.work, "all-gather (prefetched)")
             pending = None
         if pending is None:
@@ -265,11 +352,15 @@ class FlatGroup:
         """Finish the pending gather whose output is ``started``, start the next one in the
         last pass's order, and reorder into parameter after parameter. ``all_gather_wait``."""
         pending = self.pending
-        if pending is None or pending.out.data_ptr() != started.data_ptr():
+        if pending is None or not pending.wrote(started):
             # Not the gather ``started`` names: it was drained at a pass's end (its forward
             # and this wait fell in two passes) or replaced. Its data may predate an optimizer
             # step: gather again now rather than read it.
             return self.gather(self.leaf, started.dtype)
+        return self._finish(pending)
+
+    def _finish(self, pending: _Pending) -> torch.Tensor:
+        """Wait for ``pending``, the group's, start the next gather, reorder parameter after parameter."""
         self.pending = None
         self.wait(pending.work, "all-gather")
         self._prefetch_next()
@@ -295,6 +386,27 @@ class FlatGroup:
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
         self.wait(_reduce_scatter(out, full, group=self.group, async_op=True), "reduce-scatter")
         return out.div_(self.world)
+
+    def reduce_scatter_with(self, grad: torch.Tensor, together: list) -> list[torch.Tensor]:
+        """``reduce_scatter`` of ``grad`` and of ``together``'s ``(group, grad)`` pairs (the rest
+        of its unit's groups, one reduce dtype) in one collective, after one order check: every
+        group's rank-major columns side by side (one ``cat``), reduce-scattered once, this
+        rank's part cut back into each group's own buffer. Returns the parts, in order."""
+        run = [(self, grad), *together]
+        self.agree("reduce-scatter", self.reduce_dtype, tuple((g, g.reduce_dtype) for g, _ in together))
+        world, columns = self.world, []
+        for g, full in run:
+            sizes = [s.chunk for s in g.slices]
+            pieces = full.split_with_sizes([world * n for n in sizes])
+            columns += [p.view(world, n) for p, n in zip(pieces, sizes)]
+        numel = sum(g.shard_numel for g, _ in run)
+        sent = torch.empty(world, numel, dtype=self.reduce_dtype, device=grad.device)
+        torch.cat(columns, dim=1, out=sent)  # cast to the reduce dtype on the way
+        out = sent.new_empty(numel)
+        self.wait(_reduce_scatter(out, sent.view(-1), group=self.group, async_op=True), "reduce-scatter")
+        out.div_(world)
+        # Each group's part in its own buffer: add_grad keeps a part as its .grad storage.
+        return [part.clone() for part in out.split([g.shard_numel for g, _ in run])]
 
     def adjoint_all_gather(self, grad: torch.Tensor) -> torch.Tensor:
         """The adjoint of ``reduce_scatter`` (sum-then-divide): every rank's part, all-gathered,

@@ -5,8 +5,10 @@
   dtype (or ``dtype``: the compiled graph's cast moved into the gather by
   ``compile/passes/gather_cast.py``), and reorder rank-major into parameter after parameter
   (``layout``). Backward:
-  ``reduce_scatter`` the full gradient and add it into the parameters' DTensor ``.grad``
-  with ``accumulate_`` (or keep it unsharded while gradient sync is off).
+  ``reduce_scatter`` the full gradient (with two ranks or more, once the order is learned,
+  in one collective with the rest of its unit's groups: ``Prefetch.reduce``) and add it into
+  the parameters' DTensor ``.grad`` with ``accumulate_`` (or keep it unsharded while gradient
+  sync is off).
 - ``tracedac::reduce_scatter(grad, flat) -> part``: this rank's part of the gradient summed
   over ranks, in the reduce dtype, divided by the world size (ranks average, as DDP and
   FSDP do). Backward: its adjoint, an all-gather divided by the world size.
@@ -113,7 +115,7 @@ def reduce_grad(grad: torch.Tensor, flat: str) -> None:
     if not group.sync:
         group.hold(grad)
         return
-    group.add_grad(torch.ops.tracedac.reduce_scatter(group.take_held(grad), flat))
+    group.state.reduce(group, grad)
 
 
 @reduce_grad.register_fake

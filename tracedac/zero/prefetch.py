@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .group import FlatGroup, _in_backward
+from .group import FlatGroup, _graph_task, _in_backward
 
 __all__ = ["Prefetch"]
 
@@ -26,7 +26,19 @@ class Prefetch:
     group's destruction.
     """
 
-    __slots__ = ("enabled", "backward", "current", "learned", "inflight", "queued", "auto")
+    __slots__ = (
+        "enabled",
+        "backward",
+        "current",
+        "learned",
+        "inflight",
+        "queued",
+        "auto",
+        "reduced",
+        "learned_reduced",
+        "waiting",
+        "task",
+    )
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -36,6 +48,10 @@ class Prefetch:
         self.inflight: list = []  # groups with a prefetched gather started in this pass
         self.queued = False  # a drain is queued for the end of the running backward
         self.auto = None  # the model's zero.auto.Auto, under MixedPrecision(param_dtype="auto")
+        self.reduced: list | None = None  # the groups reduced so far in the running backward
+        self.learned_reduced: list = []  # and in the last backward
+        self.waiting: list = []  # (group, gradient): reductions held for the rest of their unit
+        self.task = -1  # the backward ``reduced`` belongs to
 
     def _pass(self, backward: bool) -> None:
         """A gather of a forward (``backward`` False) or backward: a new pass if the kind changed."""
@@ -89,6 +105,53 @@ class Prefetch:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.drain)
 
+    def reduce(self, group: FlatGroup, grad: torch.Tensor) -> None:
+        """Reduce-scatter ``group``'s gradient into its ``.grad``: now, or, where the last
+        backward reduced the rest of its unit's groups right after it, with them in one
+        collective once the last of them arrives (``together``'s counterpart: an "auto" block's
+        three groups reduce once, not three times). The order is the same on every rank, and
+        the joint collective's order check names every group in it. Whatever waits when the
+        order changes goes at once; at the end of the backward (an engine callback) nothing
+        waits any more. A gradient with a graph of its own (``create_graph=True``) goes alone,
+        through ``tracedac::reduce_scatter``, whose adjoint differentiates it."""
+        if not self.enabled or group.world == 1 or grad.requires_grad or not _in_backward():
+            _reduce_alone(group, grad)
+            return
+        if self.reduced is None or self.task != _graph_task():  # this backward's first reduction
+            # Another backward's record: a backward nested in it (a reentrant checkpoint's), or
+            # one that raised before its end callback ran. What waits is reduced now, as it
+            # would have been without waiting; only the next joint collective is lost.
+            self._flush()
+            self.reduced, self.task = [], _graph_task()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_reductions)
+        i, order = len(self.reduced), self.learned_reduced
+        self.reduced.append(group)
+        expected = i < len(order) and order[i] is group
+        if self.waiting and not expected:
+            self._flush()  # the order changed: what waited goes now, without this one
+        self.waiting.append((group, grad))
+        nxt = order[i + 1] if expected and i + 1 < len(order) else None
+        if (
+            nxt is None
+            or nxt.owner is not group.owner
+            or nxt.reduce_dtype != group.reduce_dtype
+            or any(nxt is g for g, _ in self.waiting)
+        ):
+            self._flush()
+
+    def _flush(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        if len(waiting) == 1:
+            _reduce_alone(*waiting[0])
+        elif waiting:
+            (first, grad), rest = waiting[0], [(g, g.take_held(x)) for g, x in waiting[1:]]
+            for (g, _), part in zip(waiting, first.reduce_scatter_with(first.take_held(grad), rest)):
+                g.add_grad(part)
+
+    def _end_reductions(self) -> None:
+        self._flush()
+        self.learned_reduced, self.reduced = self.reduced or [], None
+
     def after(self, group: FlatGroup, backward: bool) -> FlatGroup | None:
         """Record a gather of ``group``; return the group to prefetch next, if any."""
         self._pass(backward)
@@ -98,3 +161,7 @@ class Prefetch:
         if self.enabled and i + 1 < len(order) and order[i] is group:
             return order[i + 1]
         return None
+
+
+def _reduce_alone(group: FlatGroup, grad: torch.Tensor) -> None:
+    group.add_grad(torch.ops.tracedac.reduce_scatter(group.take_held(grad), group.key))

@@ -193,10 +193,12 @@ def shard(
     ``requires_grad`` share one flat fp32 buffer per rank (one all-gather). Submodules
     sharded before keep their parameters (FSDP2's nesting: shard the blocks, then the
     model). Ranks must hold the same values before sharding (same seed), or load after.
-    ``prefetch``: start the next unit's all-gathers (and a unit's groups together, one
-    order check for them) in the order the last pass ran them.
+    ``prefetch``: start the next unit's all-gathers (and a unit's groups together: one
+    order check and, with two ranks or more, one all-gather for them; in backward one
+    reduce-scatter) in the order the last pass ran them.
     ``timeout`` (seconds or a timedelta) bounds every wait on a collective: a rank that
-    dies makes the others raise.
+    dies makes the others raise. On NCCL each such wait blocks the host until the
+    collective is done (torch's ``Work.wait(timeout)``); leave it None on GPUs.
     Tensor parallel: a parameter ``parallelize_module`` made a DTensor on ``mesh["tp"]`` is
     sharded by its local tensor over ``group = mesh["dp"].get_group()``; forward reads the TP
     DTensor, optimizers and DCP a DTensor on the 2-D mesh (``tp.py``).
