@@ -12,6 +12,9 @@
 #   zero       python -m benchmarks --zero --device cuda (one rank, NCCL); with --compile last
 #   gpu tests  the test files that use a CUDA device when one is visible
 #   profile    python -m benchmarks --profile --llama --device cuda
+#   zero_profile  tools/zero_profile.py: a compiled ZeRO bf16 "auto" step against FSDP2's under
+#              the same autocast, one rank, under torch.profiler (not in the default STAGES:
+#              name it; it answers why run 4's compiled "auto" took 1.22x FSDP2's step)
 # and, the whole time, in the background on the other half of the cores, the suite with the GPU
 # hidden (what the GPU tests above do not cover), so that it does not disturb the timings.
 # Every log and JSON lands in a temporary work/ folder; $OUT/results.tgz holds them all, remade
@@ -115,6 +118,7 @@ stage profile 40 python3 -m benchmarks --profile --llama --device $DEV $QUICK --
 # it compiles on the image's torch 2.11 rather than refusing, so it needs the time: about five
 # inductor compiles of a MoE block, forward and backward)
 stage zero_compile 200 python3 -m benchmarks --zero --compile --device $DEV $QUICK $ZERO_SIZE --json "$W/zero_compile.json"
+stage zero_profile 150 python3 tools/zero_profile.py --device $DEV ${QUICK:+--tiny --steps 3}
 say "waiting for the background suite"
 wait "$SUITE"
 say "suite (GPU hidden): $(tail -2 "$W/suite_cpu.log" | tr '\n' ' ')"
