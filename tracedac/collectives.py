@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ._compat import process_group_named
 from .decisions import FUNCTIONAL_NAMESPACES, effect
 from .errors import CheckpointError
+from .host_group import host_group
 from .trace import unrecorded
 from .wrappers import Wrapper
 
@@ -81,14 +82,14 @@ def _signature(plan) -> int:
 def _agree(group, plan) -> list | None:
     """None when every rank of ``group`` has the same ``plan`` (one all-reduce of two
     integers); else every rank's plan (gathered only then, for the message)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    on, device = host_group(group, torch.device("cpu"))  # NCCL: its gloo twin (no wait for the GPU)
     sig = _signature(plan)
     both = torch.tensor([sig, -sig], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=on)
     if int(both[0]) == sig and -int(both[1]) == sig:
         return None
     plans = [None] * dist.get_world_size(group)
-    dist.all_gather_object(plans, plan, group=group)
+    dist.all_gather_object(plans, plan, group=on)
     return plans
 
 

@@ -30,6 +30,7 @@ def two_ranks(tmp_path_factory):
         ("diverge", ()),
         ("diverge_after_a_step", ()),
         ("diverge_in_backward", ()),
+        ("twin_checks", ()),
         ("checks", ()),
         ("equivalence", (VARIANTS,)),
         ("memory", ()),
@@ -157,6 +158,18 @@ def test_ranks_whose_unit_reduces_other_groups_raise_instead_of_pairing_reductio
     for rank, (elapsed, message) in enumerate(_part(two_ranks, "diverge_in_backward")):
         assert message is not None and "reduce-scatter" in message and "blocks.2" in message, message
         assert elapsed < 10, elapsed
+
+
+def test_on_nccl_the_order_checks_go_through_a_gloo_twin_and_still_catch_ranks_that_diverge(two_ranks):
+    """On NCCL a check's rows on the GPU made the host wait for every kernel queued before each
+    collective; they go through a gloo twin of the group instead (``host_group``), here with
+    the gloo group reported as NCCL: the same losses, every check on the twin, and ranks that
+    leave the learned order raise as before."""
+    for result in _part(two_ranks, "twin_checks"):
+        assert result["losses"] == result["want"], result
+        assert result["routes"].get("twin", 0) > 0 and "group" not in result["routes"], result
+        message = result["message"]
+        assert message is not None and "blocks.2" in message and "last pass's order" in message, message
 
 
 def test_a_units_groups_are_checked_once_sent_once_and_train_as_before(two_ranks):

@@ -339,16 +339,23 @@ def test_to_empty_respecs_every_group_and_keeps_parameter_order(world1, monkeypa
     assert all(p.grad is not None for p in params)
 
 
-def test_order_check_rows_live_where_the_backend_moves_tensors(monkeypatch):
-    from tracedac.zero.group import collective_device
+def test_agreements_go_through_a_group_that_moves_cpu_tensors(world1, monkeypatch):
+    """Order checks and decisions run on the host: gloo (or a CPU backend beside NCCL) is
+    used as it is; NCCL gets a gloo twin of the same ranks, made once and kept; another
+    backend keeps its group and the caller's device."""
+    from tracedac import host_group as hg
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # no GPU here: the choice, not the move
-
-    assert collective_device("gloo", torch.device("cpu")) == torch.device("cpu")
-    assert collective_device("nccl", torch.device("cpu")) == torch.device(
-        "cuda", 3
-    )  # NCCL moves no CPU tensor
-    assert collective_device("cpu:gloo,cuda:nccl", torch.device("cpu")) == torch.device("cuda", 3)
+    group, cuda = dist.group.WORLD, torch.device("cuda", 3)  # no GPU here: the choice, not a move
+    for backend in ("gloo", "cpu:gloo,cuda:nccl"):
+        monkeypatch.setattr(hg, "_backend", lambda g, b=backend: b)
+        assert hg.host_group(group, cuda) == (group, torch.device("cpu"))
+    monkeypatch.setattr(hg, "_backend", lambda g: "nccl" if g is group else dist.get_backend(g))
+    twin, device = hg.host_group(group, cuda)
+    assert twin is not group and device == torch.device("cpu")
+    assert dist.get_backend(twin) == "gloo" and dist.get_process_group_ranks(twin) == [0]
+    assert hg.host_group(group, cuda)[0] is twin  # made once
+    monkeypatch.setattr(hg, "_backend", lambda g: "ucc")
+    assert hg.host_group(group, cuda) == (group, cuda)
 
 
 def test_a_weight_tied_between_a_block_sharded_first_and_the_model_is_refused_naming_both(world1):

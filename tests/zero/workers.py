@@ -16,6 +16,7 @@ import tracedac
 import tracedac.zero as zero
 from tracedac.zero import gathered as zgathered
 from tracedac.zero import group as zgroup
+from tracedac.zero import inflight as zinflight
 
 D = 16
 BATCH = 12  # divides by world sizes 1 to 4
@@ -337,6 +338,35 @@ def diverge_in_backward(rank, world):
     return time.monotonic() - start, None
 
 
+def twin_checks(rank, world):
+    """The ranks' agreements through a gloo twin of the process group, as on NCCL (the group
+    reported as NCCL to ``host_group``): "auto" trains as with its checks on the group itself,
+    every order check's rows go through the twin and none through the group, and ranks that
+    diverge after a step still all raise. Returns those losses, routes and messages."""
+    from tracedac import host_group as hg
+
+    from .auto_workers import _train
+
+    want, _ = _train(zero.shard(model(tie=False), mixed_precision=zero.MixedPrecision("auto")), rank, world)
+    real_backend, real_gather, routes = hg._backend, zgroup._all_gather, collections.Counter()
+    group = zero.shard(model(tie=False))._tracedac_zero.all_groups[0].group  # the model's
+
+    def gather(out, src, **kw):
+        if out.dtype == torch.int64:  # an order check's rows
+            routes["group" if kw["group"] is group else "twin"] += 1
+        return real_gather(out, src, **kw)
+
+    hg._backend = lambda g: "nccl" if g is group else real_backend(g)
+    zgroup._all_gather = gather
+    try:
+        m = zero.shard(model(tie=False), mixed_precision=zero.MixedPrecision("auto"))
+        losses, _ = _train(m, rank, world)
+        _, message, _ = diverge(rank, world, learned=True)
+    finally:
+        hg._backend, zgroup._all_gather = real_backend, real_gather
+    return dict(want=want, losses=losses, routes=dict(routes), message=message)
+
+
 def diverge_after_a_step(rank, world):
     return diverge(rank, world, learned=True)
 
@@ -353,7 +383,7 @@ class CheckLog:
             zgroup.FlatGroup.agree,
             zgroup._all_gather,
             zgroup._reduce_scatter,
-            zgroup._Joint.wait,
+            zinflight.Joint.wait,
         )
         log = self
 
@@ -378,10 +408,10 @@ class CheckLog:
         zgroup.FlatGroup.agree = agree
         zgroup._all_gather = sent("all-gather", real[1])
         zgroup._reduce_scatter = sent("reduce-scatter", real[2])
-        zgroup._Joint.wait = wait
+        zinflight.Joint.wait = wait
 
     def close(self):
-        zgroup.FlatGroup.agree, zgroup._all_gather, zgroup._reduce_scatter, zgroup._Joint.wait = self._real
+        zgroup.FlatGroup.agree, zgroup._all_gather, zgroup._reduce_scatter, zinflight.Joint.wait = self._real
 
 
 def checks(rank, world):

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..decisions import LOW_DTYPES, cast_dtype
-from .group import collective_device
+from ..host_group import host_group
 
 __all__ = ["Auto", "Observer"]
 
@@ -144,9 +144,9 @@ class Auto:
         notes = torch.tensor(self.notes, dtype=torch.int64)
         world = dist.get_world_size(self.process_group)
         if world > 1:
-            device = collective_device(dist.get_backend(self.process_group), self.groups[0].local.device)
+            group, device = host_group(self.process_group, self.groups[0].local.device)
             notes = notes.to(device)
-            dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.process_group)
+            dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=group)
             notes = notes.cpu()
         for g, (full, bf16, fp16) in zip(self.groups, notes.tolist()):
             low = [d for d, seen in zip(LOW_DTYPES, (bf16, fp16)) if seen]

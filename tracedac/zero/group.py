@@ -14,11 +14,13 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ..host_group import host_group
 from ..kernels import accumulate_, pack_cast
 from .errors import ZeroError
+from .inflight import Joint, Pending
 from .layout import dtensor, parameter, to_param_major, to_rank_major
 
-__all__ = ["FlatGroup", "collective_device", "group_of"]
+__all__ = ["FlatGroup", "group_of"]
 
 # torch 2.13 names the tensor collectives *_single and deprecates *_into_tensor / *_tensor.
 # gloo implements both on CPU (bf16 included).
@@ -69,100 +71,6 @@ def group_of(key: str) -> FlatGroup:
     return group
 
 
-class _Pending:
-    """An all-gather in flight: its work handle, its output, and its input (alive until done)."""
-
-    __slots__ = ("work", "_out", "src", "dtype")
-
-    def __init__(self, work, out, src):
-        self.work, self._out, self.src, self.dtype = work, out, src, out.dtype
-
-    @property
-    def out(self) -> torch.Tensor:
-        return self._out
-
-    def wrote(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is this gather's output (what ``all_gather_start`` handed out)."""
-        return self._out is not None and self._out.data_ptr() == t.data_ptr()
-
-
-class _Part(_Pending):
-    """One group's share of a ``_Joint``: its output is allocated when first read, so that a
-    joint gather in flight holds its one byte buffer, not that and each group's output too."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, joint, index: int, dtype: torch.dtype):
-        self.work, self.src, self.index, self.dtype = joint, None, index, dtype
-
-    @property
-    def out(self) -> torch.Tensor:
-        return self.work.output(self.index)
-
-    @property
-    def _out(self) -> torch.Tensor | None:  # what ``wrote`` compares: None until allocated
-        return self.work.outs[self.index]
-
-
-class _Joint:
-    """One all-gather for several groups of a unit (``FlatGroup.start`` with ``together``):
-    each group's input, cast to its travel dtype, lies in one byte buffer (the widest dtypes
-    first, so that every piece is aligned to its element size), gathered once. The first wait,
-    by whichever group, copies each group's rank-major piece into that group's own output,
-    and lets the byte buffers go; the others find it done. It is the work handle of each
-    group's ``_Part``."""
-
-    __slots__ = ("work", "out", "src", "world", "spans", "outs", "sizes")
-
-    def __init__(self, group, run: list):
-        """``run``: ``(FlatGroup, shard, dtype)`` for each group, in the order checked."""
-        device = run[0][1].device
-        placed = sorted(range(len(run)), key=lambda i: -run[i][2].itemsize)  # stable: ties keep order
-        at, self.spans = 0, [None] * len(run)
-        for i in placed:
-            g, _, dtype = run[i]
-            self.spans[i] = (at, at + g.shard_numel * dtype.itemsize)
-            at = self.spans[i][1]
-        self.src = torch.empty(at, dtype=torch.uint8, device=device)
-        for (g, shard, dtype), (lo, hi) in zip(run, self.spans):
-            pack_cast([shard.detach()], self.src[lo:hi].view(dtype))
-        self.world = group.world
-        self.out = torch.empty(self.world * at, dtype=torch.uint8, device=device)
-        self.outs = [None] * len(run)
-        self.sizes = [(self.world * g.shard_numel, dtype, device) for g, _, dtype in run]
-        self.work = _all_gather(self.out, self.src, group=group.group, async_op=True)
-
-    def parts(self) -> list[_Part]:
-        return [_Part(self, i, dtype) for i, (_, dtype, _) in enumerate(self.sizes)]
-
-    def output(self, i: int) -> torch.Tensor:
-        if self.outs[i] is None:
-            numel, dtype, device = self.sizes[i]
-            self.outs[i] = torch.empty(numel, dtype=dtype, device=device)
-        return self.outs[i]
-
-    def wait(self, timeout=None):
-        if self.out is None:
-            return True  # another group's wait copied every piece out
-        done = self.work.wait(timeout) if timeout is not None else self.work.wait()
-        if done is False:
-            return False
-        rows = self.out.view(self.world, -1)
-        for i, (lo, hi) in enumerate(self.spans):
-            out = self.output(i)
-            out.view(self.world, -1).copy_(rows[:, lo:hi].view(out.dtype))
-        self.out = self.src = None
-        return True
-
-
-def collective_device(backend: str, buffer_device: torch.device) -> torch.device:
-    """Where a small tensor for ``backend``'s collectives must live: NCCL moves only CUDA
-    tensors (the current device, as torch's own object collectives do); others, the buffer's."""
-    if "nccl" in str(backend):
-        return torch.device("cuda", torch.cuda.current_device())
-    return buffer_device
-
-
 class FlatGroup:
     """One flat group of a unit: parameters of one travel dtype and one ``requires_grad``.
 
@@ -189,7 +97,7 @@ class FlatGroup:
         self.rank = dist.get_rank(group)
         self.timeout = timeout
         self.state = state  # the model's Prefetch
-        self.pending: _Pending | None = None
+        self.pending: Pending | None = None
         self.travel = dtype  # the dtype the last gather asked for: what a prefetch gathers in
         self.sync = True  # reduce-scatter gradients in backward (False: accumulate them unsharded)
         self.held: torch.Tensor | None = None  # the unsharded gradient accumulated while sync is off
@@ -256,7 +164,7 @@ class FlatGroup:
         """
         if self.world == 1:
             return
-        device = collective_device(dist.get_backend(self.group), self.local.device)
+        group, device = host_group(self.group, self.local.device)  # NCCL: its gloo twin, rows on the CPU
         run = ((self, dtype), *together)
         numel = sum(g.shard_numel for g, _ in run)
         every = zlib.crc32(" ".join(f"{g.name}:{d}" for g, d in run).encode())
@@ -266,7 +174,7 @@ class FlatGroup:
             device=device,
         )
         rows = torch.empty(self.world, mine.numel(), dtype=torch.int64, device=device)
-        self.wait(_all_gather(rows.view(-1), mine, group=self.group, async_op=True), f"{what} (order check)")
+        self.wait(_all_gather(rows.view(-1), mine, group=group, async_op=True), f"{what} (order check)")
         if bool((rows == mine).all()):
             return
         r = next(r for r in range(self.world) if not bool((rows[r] == mine).all()))
@@ -304,15 +212,16 @@ class FlatGroup:
             "same units in the same order; nothing was exchanged."
         )
 
-    def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None, together: tuple = ()) -> _Pending:
+    def start(self, shard: torch.Tensor, dtype: torch.dtype | None = None, together: tuple = ()) -> Pending:
         """Start the all-gather of ``shard`` in the travel dtype (or ``dtype``), asynchronously,
         and then those of ``together``'s groups (each from its own buffer in its travel dtype,
         pending until its own gather takes it), after one order check for all."""
         dtype = self.travel if dtype is None else dtype
         self.agree("all-gather", dtype, tuple((g, g.travel) for g in together))
         if together and self.world > 1:
-            run = [(self, shard, dtype), *((g, g.leaf, g.travel) for g in together)]
-            pending, *rest = _Joint(self, run).parts()
+            joint = Joint(self.world, [(self, shard, dtype), *((g, g.leaf, g.travel) for g in together)])
+            joint.work = _all_gather(joint.out, joint.src, group=self.group, async_op=True)
+            pending, *rest = joint.parts()
         else:  # alone, or one rank: a collective is a local copy there, and one per group copies least
             pending, rest = self._issue(shard, dtype), [g._issue(g.leaf, g.travel) for g in together]
         for g, p in zip(together, rest):
@@ -320,7 +229,7 @@ class FlatGroup:
             self.state.started(g)
         return pending
 
-    def _issue(self, shard: torch.Tensor, dtype: torch.dtype) -> _Pending:
+    def _issue(self, shard: torch.Tensor, dtype: torch.dtype) -> Pending:
         if dtype == shard.dtype:
             src = shard.detach()  # no cast: gather straight from the shard
         else:
@@ -328,14 +237,14 @@ class FlatGroup:
             pack_cast([shard.detach()], src)  # cast while writing the all-gather input
         out = torch.empty(self.world * self.shard_numel, dtype=dtype, device=shard.device)
         work = _all_gather(out, src, group=self.group, async_op=True)
-        return _Pending(work, out, src)
+        return Pending(work, out, src)
 
     def gather(self, shard: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full parameters, parameter after parameter (``layout``), in the travel dtype (or
         ``dtype``, and later prefetches with it): prefetched if started in that dtype."""
         return self._finish(self.begin_gather(shard, self.dtype if dtype is None else dtype))
 
-    def begin_gather(self, shard: torch.Tensor, dtype: torch.dtype) -> _Pending:
+    def begin_gather(self, shard: torch.Tensor, dtype: torch.dtype) -> Pending:
         """The pending gather in ``dtype`` (one in another dtype is waited for and dropped),
         started now unless it is; later prefetches gather in ``dtype``. ``all_gather_start``."""
         self.travel = dtype
@@ -359,7 +268,7 @@ class FlatGroup:
             return self.gather(self.leaf, started.dtype)
         return self._finish(pending)
 
-    def _finish(self, pending: _Pending) -> torch.Tensor:
+    def _finish(self, pending: Pending) -> torch.Tensor:
         """Wait for ``pending``, the group's, start the next gather, reorder parameter after parameter."""
         self.pending = None
         self.wait(pending.work, "all-gather")
