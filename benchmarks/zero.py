@@ -3,10 +3,10 @@
 On a GPU: ``python -m benchmarks --zero --device cuda`` (add ``--compile`` for the compiled
 rows, size flags such as ``--dim 1024 --layers 8 --seq 512 --batch 8 --experts 8
 --expert-hidden 2048 --heads 16`` for a model worth an H100) runs as one process, a world of
-one rank on NCCL (rendezvous in a fresh temporary file). A world of one shards nothing:
-tracedac.zero still runs its gathers and reduce-scatters (NCCL copies), while FSDP2 (torch
-2.13 at least) skips its all-gathers there, its all-gather column reading "none", so step
-ratios to FSDP2 include that difference. Under torchrun, ``--device cuda`` puts each rank on
+one rank on NCCL (rendezvous in a fresh temporary file). A world of one shards nothing and
+sends nothing: tracedac.zero's gathers are casts and its gradients go into ``.grad`` without a
+reduce-scatter, as FSDP2 (torch 2.13 at least) skips its collectives there; both all-gather
+columns read "none". Under torchrun, ``--device cuda`` puts each rank on
 ``cuda:LOCAL_RANK`` with NCCL. Models, batches and optimizer states live on the GPU; bytes
 held are ``torch.cuda.memory_allocated()`` differences (after a synchronize), each row also
 gets the peak of ``torch.cuda.max_memory_allocated()`` over one step (``peak over step``:

@@ -16,9 +16,9 @@ import tracedac.zero as zero
 from . import workers as w
 
 
-def _train(m, rank, world, steps=3, log=w.GatherLog, read=lambda log: log.bytes):
+def _train(m, rank, world, steps=3, log=w.GatherLog, read=lambda log: (log.bytes, log.gathered)):
     """Losses and, per step, what ``read`` finds in a ``log`` open over forward and backward
-    (default: all-gather bytes); each forward under bf16 autocast."""
+    (default: all-gather bytes sent and gathered); each forward under bf16 autocast."""
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     losses, logged = [], []
     for step in range(steps):

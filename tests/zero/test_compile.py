@@ -139,6 +139,9 @@ def test_autocasts_downcast_of_a_gathered_parameter_moves_into_the_gather(ranks)
         assert fused["backward"] == fused["forward"], fused["backward"]  # backward gathers each again
         assert plain["forward"] == ["torch.float32"] * 3 and plain["casts_of_gathers"] == 8, plain
         assert fused["casts_of_gathers"] == 0
+        if ranks[0] == 1:  # one rank sends nothing: a gather is the cast (the dtypes above)
+            assert fused["wire"] == plain["wire"] == {}, (fused["wire"], plain["wire"])
+            continue
         assert set(plain["wire"]) - {"int64"} == {"float32"}  # int64: the ranks' order checks
         # the Linear units' bytes halve; the root's (the LayerNorm) stay fp32
         assert fused["wire"]["bfloat16"] * 2 + fused["wire"]["float32"] == plain["wire"]["float32"]
@@ -171,18 +174,27 @@ def test_auto_dtype_compiled_gathers_every_linear_group_in_bf16(ranks):
             "gathers"
         ]
         # plainly only the root's group (all Linear) travels bf16; "auto", every Linear group,
-        # which hold most of the bytes
+        # which hold most of the bytes (one rank sends nothing: the dtypes above are the check)
         sent = {k: sum(n for dtype, n in per_rank[k]["wire"].items() if dtype != "int64") for k in per_rank}
-        assert sent["auto"] < 0.5 * sent["plain"], per_rank
+        if ranks[0] == 1:
+            assert sent == {"plain": 0, "auto": 0}, per_rank
+        else:
+            assert sent["auto"] < 0.5 * sent["plain"], per_rank
 
 
 def test_the_next_units_all_gather_is_issued_before_this_units_compute(ranks):
     """``compile/passes/gather_prefetch.py``: in a whole-model graph each gather is a start and a
     wait, and unit k+1's starts come right after unit k's waits, before anything reads unit
     k's parameters. With the runtime prefetch off the graph's order is the only prefetch;
-    training equals eager zero.shard, and backward still gathers every trainable unit again."""
+    training equals eager zero.shard, and backward still gathers every trainable unit again.
+    One rank: nothing to overlap (a gather is a cast on the compute stream), every gather whole."""
     for r in _part(ranks, "prefetch_order"):
         seq = r["seq"]
+        assert r["losses"] < 1e-5 and r["params"] < 1e-5, r
+        if ranks[0] == 1:
+            kinds = {kind for kind, _ in seq}
+            assert "gather" in kinds and not kinds & {"start", "wait"}, seq
+            continue
         assert not [k for kind, k in seq if kind == "gather"], seq  # every gather split
         # units: runs of waits (starts may sit between them), in the order the forward runs them
         units, run = [], None
@@ -203,7 +215,6 @@ def test_the_next_units_all_gather_is_issued_before_this_units_compute(ranks):
                     i for i, (kind, key) in enumerate(seq) if kind == "start" and key == k and i < first_read
                 )
                 assert last_wait < start < first_read, (cur, nxt, seq)
-        assert r["losses"] < 1e-5 and r["params"] < 1e-5, r
         assert r["bw_waits"] > 0
 
 

@@ -413,43 +413,36 @@ def test_load_state_dict_with_assign_into_a_model_on_meta_says_to_call_to_empty(
     assert all(torch.equal(m.get_parameter(k).full_tensor(), v) for k, v in sd.items())
 
 
-class Skipping(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
-
-    def forward(self, x, skip=None):
-        for i, layer in enumerate(self.layers):
-            if i != skip:
-                x = layer(x)
-        return x
-
-
-def test_a_prefetched_gather_nobody_consumes_completes_when_its_pass_ends(world1):
-    """The order changes (a layer skipped): the gather prefetched for it is waited for and
-    dropped when the forward (root post-hook) or the backward (engine callback) ends, not left
-    in flight until the next pass; gradients still equal the unsharded model's."""
+def test_one_rank_prefetches_nothing_and_gathers_by_a_cast_without_a_collective(world1):
+    """One rank: a gather is a cast on the compute stream, so nothing is started early (it
+    would overlap nothing and hold the next unit sooner) and no collective is issued; the
+    unconsumed prefetch two ranks drain is tests/zero/test_distributed.py's. Gradients equal
+    the unsharded model's, skipped layers and all."""
     torch.manual_seed(0)
-    ref = Skipping()
-    m = zero.shard(Skipping())
+    ref = w.Skipping()
+    m = zero.shard(w.Skipping())
     zero.load_full_state_dict(m, ref.state_dict())
     x = torch.randn(3, 4)
     z = m._tracedac_zero
-    m(x).sum().backward()  # learns the orders: forward 0, 1, 2; backward 2, 1, 0
-
-    def in_flight():
-        return [g.name for g in z.all_groups if g.pending is not None] + [g.name for g in z.state.inflight]
-
-    with torch.no_grad():
-        m(x, skip=2)  # layer 1's gather prefetched layer 2's
-    assert in_flight() == []
-    for p in m.parameters():
-        p.grad = None
-    m(x, skip=0).sum().backward()  # backward: 2 prefetches 1, 1 prefetches 0, never used
-    assert in_flight() == []
-    ref(x, skip=0).sum().backward()
-    torch.testing.assert_close(m.layers[1].weight.grad.full_tensor(), ref.layers[1].weight.grad)
-    assert m.layers[0].weight.grad is None
+    log = w.GatherLog()
+    try:
+        for skip in (None, 2, 0):  # learns the order, then leaves it
+            for mod in (m, ref):
+                for p in mod.parameters():
+                    p.grad = None
+                mod(x, skip=skip).sum().backward()
+            assert [g.name for g in z.all_groups if g.pending is not None] + z.state.inflight == []
+            for a, b in zip(m.layers, ref.layers):
+                if b.weight.grad is None:
+                    assert a.weight.grad is None
+                else:
+                    torch.testing.assert_close(a.weight.grad.full_tensor(), b.weight.grad)
+    finally:
+        log.close()
+    # 5 + 3 + 3 gathers: each forward's layers, and backward's again where a layer's input
+    # needs a gradient (not the first layer to run: x needs none)
+    assert sum(log.counts.values()) == 11, log.counts
+    assert (log.prefetched, log.starts, log.bytes) == (0, 11, 0)
 
 
 def test_one_rank_compiles_auto_mixed_precision_in_process_clips_and_reads_full_parameters(world1):

@@ -129,13 +129,14 @@ def equivalence(rank, world, variants=("plain",)):
 
 
 class GatherLog:
-    """Counts gathers per flat group, the bytes of parameters all-gathered, and keeps weak
-    references to every gathered buffer."""
+    """Counts gathers per flat group, the bytes of parameters all-gathered (sent to the process
+    group: ``bytes``; handed to the model, which one rank gets without sending: ``gathered``),
+    and keeps weak references to every gathered buffer."""
 
     def __init__(self):
         self.counts = collections.Counter()
         self.refs = []
-        self.bytes = 0
+        self.bytes = self.gathered = 0
         self._gather, self._all_gather = zgroup.FlatGroup.gather, zgroup._all_gather
         log = self
 
@@ -150,6 +151,7 @@ class GatherLog:
             log.prefetched += flat.pending is not None
             out = log._gather(flat, shard, dtype)
             log.counts[flat.key] += 1
+            log.gathered += out.numel() * out.element_size()
             log.refs.append(weakref.ref(out))
             return out
 
@@ -210,6 +212,54 @@ def memory(rank, world):
             grads=all(p.grad is not None for p in m.parameters() if p.requires_grad),
         )
     return out
+
+
+class Skipping(nn.Module):
+    """Three Linears, one of which a forward may skip (the order of gathers changes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x, skip=None):
+        for i, layer in enumerate(self.layers):
+            if i != skip:
+                x = layer(x)
+        return x
+
+
+def unconsumed(rank, world):
+    """The order changes (a layer skipped, on every rank): the gather prefetched for it is
+    waited for and dropped when the forward (root post-hook) or the backward (engine callback)
+    ends, not left in flight until the next pass. Per pass: (prefetched, in flight after it),
+    and the largest gradient difference from the unsharded model on the same batch."""
+    torch.manual_seed(0)
+    ref = Skipping()
+    m = zero.shard(Skipping())
+    zero.load_full_state_dict(m, ref.state_dict())
+    x = torch.randn(3, 4)  # every rank the same batch: gradients average to the same
+    z = m._tracedac_zero
+    m(x).sum().backward()  # learns the orders: forward 0, 1, 2; backward 2, 1, 0
+
+    def in_flight():
+        return [g.name for g in z.all_groups if g.pending is not None] + [g.name for g in z.state.inflight]
+
+    out = []
+    log = GatherLog()
+    try:
+        with torch.no_grad():
+            m(x, skip=2)  # layer 1's gather prefetches layer 2's, never used
+        out.append((log.starts - sum(log.counts.values()), in_flight()))
+        for p in m.parameters():
+            p.grad = None
+        log.starts, log.counts = 0, collections.Counter()
+        m(x, skip=0).sum().backward()  # backward: 2 prefetches 1, 1 prefetches 0, never used
+        out.append((log.starts - sum(log.counts.values()), in_flight()))
+    finally:
+        log.close()
+    ref(x, skip=0).sum().backward()
+    diff = (m.layers[1].weight.grad.full_tensor() - ref.layers[1].weight.grad).abs().max().item()
+    return dict(passes=out, diff=diff, skipped_grad=m.layers[0].weight.grad is None)
 
 
 def full_grads(m) -> torch.Tensor:

@@ -134,6 +134,8 @@ class FlatGroup:
 
     # -- collectives --
     def wait(self, work, what: str) -> None:
+        if work is None:  # one rank: nothing was sent (``_issue``)
+            return
         try:
             done = work.wait(self.timeout) if self.timeout is not None else work.wait()
         except RuntimeError as e:
@@ -230,6 +232,10 @@ class FlatGroup:
         return pending
 
     def _issue(self, shard: torch.Tensor, dtype: torch.dtype) -> Pending:
+        if self.world == 1:  # nothing to exchange: the cast (or a copy) is the whole gather
+            out = torch.empty(self.shard_numel, dtype=dtype, device=shard.device)
+            pack_cast([shard.detach()], out)
+            return Pending(None, out, None)
         if dtype == shard.dtype:
             src = shard.detach()  # no cast: gather straight from the shard
         else:
@@ -285,11 +291,15 @@ class FlatGroup:
         backward = _in_backward()
         state = self.state
         nxt = state.after(self, backward)
-        if nxt is not None and nxt.pending is None:
+        # One rank: a gather is a cast on the compute stream, so one started early overlaps
+        # nothing and only holds the next unit sooner (FSDP2 copies at the wait there too).
+        if nxt is not None and nxt.pending is None and self.world > 1:
             nxt.pending = nxt.start(nxt.leaf, together=state.together(nxt, backward, len(state.current)))
             state.started(nxt)
 
     def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:  # nothing to sum: the gradient in the reduce dtype, a buffer of its own
+            return grad.to(self.reduce_dtype, memory_format=torch.contiguous_format, copy=True)
         self.agree("reduce-scatter", self.reduce_dtype)
         full = to_rank_major(grad.to(self.reduce_dtype), self.slices, self.world)
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
@@ -320,6 +330,8 @@ class FlatGroup:
     def adjoint_all_gather(self, grad: torch.Tensor) -> torch.Tensor:
         """The adjoint of ``reduce_scatter`` (sum-then-divide): every rank's part, all-gathered,
         divided by world, parameter after parameter."""
+        if self.world == 1:
+            return grad.clone()
         self.agree("adjoint all-gather", grad.dtype)
         out = grad.new_empty(self.world * self.shard_numel)
         self.wait(
@@ -340,15 +352,19 @@ class FlatGroup:
         held, self.held = self.held, None
         return grad if held is None else accumulate_(held, grad)
 
-    def add_grad(self, part: torch.Tensor) -> None:
-        """Add this rank's reduced gradient into the parameters' ``.grad`` (DTensors)."""
+    def add_grad(self, part: torch.Tensor, owned: bool = True) -> None:
+        """Add this rank's reduced gradient into the parameters' ``.grad`` (DTensors).
+        ``owned``: ``part`` is a buffer nobody else holds, which may become the ``.grad``s'."""
         current = [s.param.grad for s in self.slices]
         buf = self.grad_buffer() if self.grad_buffer is not None else None
         if buf is not None and all(g is not None and g is mine() for g, mine in zip(current, self.grads)):
             accumulate_(buf, part)  # every .grad is still a view of ours (keeping it alive): one fused pass
             return
         if all(g is None for g in current):
-            buf = part if part.dtype == torch.float32 else part.float()  # part is ours: no copy
+            if owned and part.dtype == torch.float32:
+                buf = part  # ours: no copy
+            else:
+                buf = part.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             grads = [dtensor(s.local(buf), s.spec) for s in self.slices]
             for s, g in zip(self.slices, grads):
                 s.param.grad = g

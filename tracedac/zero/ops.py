@@ -4,11 +4,11 @@
   into the all-gather input (``pack_cast``, one fused pass), all-gather in the group's travel
   dtype (or ``dtype``: the compiled graph's cast moved into the gather by
   ``compile/passes/gather_cast.py``), and reorder rank-major into parameter after parameter
-  (``layout``). Backward:
+  (``layout``); with one rank, the cast alone. Backward:
   ``reduce_scatter`` the full gradient (with two ranks or more, once the order is learned,
-  in one collective with the rest of its unit's groups: ``Prefetch.reduce``) and add it into
-  the parameters' DTensor ``.grad`` with ``accumulate_`` (or keep it unsharded while gradient
-  sync is off).
+  in one collective with the rest of its unit's groups: ``Prefetch.reduce``; with one rank,
+  none) and add it into the parameters' DTensor ``.grad`` with ``accumulate_`` (or keep it
+  unsharded while gradient sync is off).
 - ``tracedac::reduce_scatter(grad, flat) -> part``: this rank's part of the gradient summed
   over ranks, in the reduce dtype, divided by the world size (ranks average, as DDP and
   FSDP do). Backward: its adjoint, an all-gather divided by the world size.

@@ -18,6 +18,7 @@ Provides: ``prefetch_gathers(gm) -> gm``, on the forward nodes of a joint graph:
 - units are the runs of gathers with no other op between them (a unit gathers all its
   groups back to back); with fewer than two units (a block compiled on its own) the graph
   is left as it is: the runtime prefetch in the ops links one block's graph to the next;
+  and so it is in a world of one rank, where a gather is a cast with nothing to overlap;
 - each ``all_gather(shard, key, dtype)`` is replaced by ``wait(start(shard, key, dtype), key)``
   (its ``meta``, region tags included, copied to both; its uses read the wait);
 - the starts of unit ``k + 1`` move to just after the last wait of unit ``k``: unit ``k + 1``'s
@@ -56,6 +57,12 @@ def _units(graph: torch.fx.Graph, gather, backward: set) -> list[list]:
     return units
 
 
+def _one_rank(gather) -> bool:
+    """Whether ``gather`` gathers from one rank: its output (``world`` shards) is its input's size."""
+    out, shard = gather.meta.get("val"), gather.args[0].meta.get("val")
+    return out is not None and shard is not None and 0 < shard.numel() == out.numel()
+
+
 def prefetch_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     gather = zero_op("all_gather")
     if gather is None or not gm.graph.find_nodes(op="call_function", target=gather):
@@ -63,6 +70,10 @@ def prefetch_gathers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = gm.graph
     units = _units(graph, gather, backward_nodes(graph))
     if len(units) < 2:
+        return gm
+    if all(_one_rank(g) for unit in units for g in unit):
+        # One rank: a gather is a cast on the compute stream; split, it would overlap nothing
+        # and cost a copy more (a wait's result may not alias the buffer its start returned).
         return gm
     split = []  # per unit: [(start, wait)]
     for unit in units:
