@@ -140,7 +140,9 @@ def test_fake_implementations_give_the_real_shapes(world1):
 
 
 def test_bf16_gradients_reduced_in_bf16_are_upcast_into_fp32_shard_grads(world1):
-    """reduce_dtype=bf16: the reduce-scatter moves bf16 and accumulate_ adds it into fp32 .grad."""
+    """reduce_dtype=bf16: the reduce-scatter moves bf16 and accumulate_ adds it into fp32 .grad.
+    One rank sends nothing but still reduces in bf16: the LayerNorms' gradients, computed in
+    fp32 (autocast runs the norm in fp32), hold bf16 values, which the unsharded model's do not."""
     ref = w.model()
     m = zero.shard(w.model(), mixed_precision=zero.MixedPrecision(reduce_dtype=torch.bfloat16))
     x, y = w.data(0)
@@ -151,6 +153,26 @@ def test_bf16_gradients_reduced_in_bf16_are_upcast_into_fp32_shard_grads(world1)
     for name, p in ref.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(grads[name].full_tensor(), p.grad, atol=3e-2, rtol=5e-2)
+    norms = [n for n in grads if ".norm." in n]
+    assert norms
+    for name in norms:
+        g, want = grads[name].full_tensor(), ref.get_parameter(name).grad
+        assert torch.equal(g, g.bfloat16().float()) and not torch.equal(want, want.bfloat16().float()), name
+
+
+def test_one_ranks_reduce_scatter_is_the_cast_and_its_adjoint_the_identity(world1):
+    """``tracedac::reduce_scatter`` with one rank: this rank's part of a sum over one rank,
+    divided by one, is the gradient itself in the reduce dtype, a buffer of its own; its
+    backward (what a gradient with a graph of its own differentiates) passes the cotangent on."""
+    m = zero.shard(w.model())
+    flat = m._tracedac_zero.all_groups[0]
+    g = torch.randn(flat.shard_numel, dtype=torch.bfloat16, requires_grad=True)
+    part = torch.ops.tracedac.reduce_scatter(g, flat.key)
+    assert part.dtype == torch.float32 and torch.equal(part, g.float())
+    assert part.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+    v = torch.randn_like(part)
+    part.backward(v)
+    assert g.grad.dtype == torch.bfloat16 and torch.equal(g.grad, v.bfloat16())
 
 
 def test_tracedac_zero_is_a_lazy_attribute():

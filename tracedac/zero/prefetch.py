@@ -166,10 +166,14 @@ class Prefetch:
 def _reduce_alone(group: FlatGroup, grad: torch.Tensor) -> None:
     held = group.held is not None
     grad = group.take_held(grad)  # the held sum (ours) if gradient sync was off, else ``grad``
-    if group.world == 1 and not grad.requires_grad and group.reduce_dtype in (grad.dtype, torch.float32):
+    exact = grad.dtype == group.reduce_dtype or (
+        group.reduce_dtype == torch.float32 and grad.dtype in (torch.bfloat16, torch.float16)
+    )
+    if group.world == 1 and exact and not grad.requires_grad:
         # One rank sums nothing: the gradient goes into .grad as it is, upcast in the same pass
         # (bit for bit what the reduce dtype's copy, a one-rank reduce-scatter, a division by
-        # one and the add gave: three passes over the unit and a collective call).
+        # one and the add gave: three passes over the unit and a collective call). A reduce
+        # dtype that rounds the gradient still rounds it, through the op.
         group.add_grad(grad, owned=held)
         return
     group.add_grad(torch.ops.tracedac.reduce_scatter(grad, group.key))
