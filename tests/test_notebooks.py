@@ -145,6 +145,8 @@ def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memo
         assert 0.5 <= ratio <= 0.51, (name, ratio)  # Linear weights in bf16, the LayerNorms' fp32
         assert got["bfloat16"] > 100 * got["float32"], (name, got)
     assert set(row("bf16 auto, eager, step 1")[0]) == {"float32"}  # the observed first step
+    # one rank sends nothing: no collective at all (the AllGatherCounter saw every row's steps)
+    assert "collectives the process group ran in all of it (one rank): none" in text
     assert "unit 'blocks.0' (trainable LayerNorm, auto dtype parameters): travels in torch.float32" in text
     assert "unit 'blocks.0' (trainable Linear, auto dtype parameters): travels in torch.bfloat16" in text
     sharded, plain, unit = map(
