@@ -239,7 +239,7 @@ def unconsumed(rank, world):
     zero.load_full_state_dict(m, ref.state_dict())
     x = torch.randn(3, 4)  # every rank the same batch: gradients average to the same
     z = m._tracedac_zero
-    m(x).sum().backward()  # learns the orders: forward 0, 1, 2; backward 2, 1, 0
+    m(x).sum().backward()  # learns the orders: forward 0, 1, 2; backward 2, 1 (0's input x needs no grad)
 
     def in_flight():
         return [g.name for g in z.all_groups if g.pending is not None] + [g.name for g in z.state.inflight]
@@ -253,7 +253,7 @@ def unconsumed(rank, world):
         for p in m.parameters():
             p.grad = None
         log.starts, log.counts = 0, collections.Counter()
-        m(x, skip=0).sum().backward()  # backward: 2 prefetches 1, 1 prefetches 0, never used
+        m(x, skip=0).sum().backward()  # backward: 2 prefetches 1, which now reads x: never used
         out.append((log.starts - sum(log.counts.values()), in_flight()))
     finally:
         log.close()
