@@ -164,16 +164,18 @@ class Prefetch:
 
 
 def _reduce_alone(group: FlatGroup, grad: torch.Tensor) -> None:
-    held = group.held is not None
-    grad = group.take_held(grad)  # the held sum (ours) if gradient sync was off, else ``grad``
-    exact = grad.dtype == group.reduce_dtype or (
-        group.reduce_dtype == torch.float32 and grad.dtype in (torch.bfloat16, torch.float16)
-    )
-    if group.world == 1 and exact and not grad.requires_grad:
+    part = group.take_held(grad)  # the held sum (a buffer of ours) if gradient sync was off
+    if group.world == 1 and not part.requires_grad and _upcast_exact(part.dtype, group.reduce_dtype):
         # One rank sums nothing: the gradient goes into .grad as it is, upcast in the same pass
         # (bit for bit what the reduce dtype's copy, a one-rank reduce-scatter, a division by
         # one and the add gave: three passes over the unit and a collective call). A reduce
         # dtype that rounds the gradient still rounds it, through the op.
-        group.add_grad(grad, owned=held)
+        group.add_grad(part, owned=part is not grad)
         return
-    group.add_grad(torch.ops.tracedac.reduce_scatter(grad, group.key))
+    group.add_grad(torch.ops.tracedac.reduce_scatter(part, group.key))
+
+
+def _upcast_exact(dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
+    """Whether casting ``dtype`` to ``reduce_dtype`` changes no value."""
+    low = (torch.bfloat16, torch.float16)
+    return dtype == reduce_dtype or (reduce_dtype == torch.float32 and dtype in low)
