@@ -96,8 +96,18 @@ _SEED = 1000  # the step whose collectives, gradients and bytes are measured
 # --- the model ------------------------------------------------------------------------------
 
 
+class Expert(nn.Module):
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor):
+        super().__init__()
+        self.w1 = nn.Parameter(w1)  # [D, F]
+        self.w2 = nn.Parameter(w2)  # [F, D]
+
+
 class ExpertParallelMoE(nn.Module):
-    """Top-k routing to ``experts`` experts; this rank holds ``experts / world`` of them."""
+    """Top-k routing to ``experts`` experts; this rank holds ``experts / world`` of them, keyed
+    by global index (``experts.2`` on rank 1 of 2, of 4): a checkpoint holds one value per
+    key, so each rank's experts need names of their own (``tracedac.zero`` refuses the same
+    name on two ranks' expert groups)."""
 
     def __init__(self, cfg: Config, rank: int, world: int):
         super().__init__()
@@ -106,9 +116,8 @@ class ExpertParallelMoE(nn.Module):
         self.router = nn.Linear(cfg.dim, cfg.experts, bias=False)
         w1 = torch.randn(cfg.experts, cfg.dim, cfg.expert_hidden) / math.sqrt(cfg.dim)  # [E, D, F]
         w2 = torch.randn(cfg.experts, cfg.expert_hidden, cfg.dim) / math.sqrt(cfg.expert_hidden)  # [E, F, D]
-        mine = slice(rank * self.per, (rank + 1) * self.per)  # drawn whole: the same on every rank
-        self.w1 = nn.Parameter(w1[mine].clone())  # [E / world, D, F]
-        self.w2 = nn.Parameter(w2[mine].clone())  # [E / world, F, D]
+        mine = range(rank * self.per, (rank + 1) * self.per)  # drawn whole: the same on every rank
+        self.experts = nn.ModuleDict({str(e): Expert(w1[e].clone(), w2[e].clone()) for e in mine})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, D]
         group = dist.group.WORLD
@@ -127,8 +136,8 @@ class ExpertParallelMoE(nn.Module):
         by_expert = local.argsort(stable=True)
         sizes = torch.bincount(local, minlength=self.per).tolist()
         outs = [
-            F.gelu(chunk @ self.w1[e]) @ self.w2[e]  # [n_e, D]
-            for e, chunk in enumerate(tokens[by_expert].split(sizes))
+            F.gelu(chunk @ expert.w1) @ expert.w2  # [n_e, D]
+            for expert, chunk in zip(self.experts.values(), tokens[by_expert].split(sizes))
         ]
         out = torch.zeros_like(tokens).index_copy(0, by_expert, torch.cat(outs))  # [M, D], as received
         back = fc.all_to_all_single_autograd(out, send, recv, group)  # [N * K, D], in ``order``

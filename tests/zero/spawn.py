@@ -93,6 +93,29 @@ class Ranks:
             raise AssertionError(f"{self.fn.__name__} failed on {self.world} ranks:\n" + "\n".join(errors))
         return [v for _, v in self._results]
 
+    def until_one_dies(self) -> list:
+        """Wait until a rank's process ends without a result (killed, as a job whose rank dies
+        is), then kill the others, as torchrun does; their exit codes (None: killed here)."""
+        while True:
+            codes = [p.exitcode for p in self._ctx.processes]
+            dead = [
+                r
+                for r, c in enumerate(codes)
+                if c is not None and not os.path.exists(os.path.join(self._tmp.name, f"result{r}.pkl"))
+            ]
+            if dead:
+                break
+            if all(c is not None for c in codes):
+                raise AssertionError(f"{self.fn.__name__}: every rank finished; none died")
+            if time.monotonic() > self._deadline:
+                self.close()
+                raise TimeoutError(
+                    f"{self.fn.__name__} on {self.world} ranks: no rank died in {self.timeout} s"
+                )
+            time.sleep(0.05)
+        self.close()
+        return codes
+
     def close(self) -> None:
         """Kill the ranks still running (a test that stopped waiting for them) and remove
         the rendezvous directory."""

@@ -7,12 +7,13 @@ docs/design.md, "ZeRO-3".
 """
 
 from . import ops as _ops  # noqa: F401 (registers the tracedac:: ops; through gathered.py, regions' handles)
+from .checkpoint import load_checkpoint, save_checkpoint
 from .errors import ZeroError
 from .full import full_parameters
 from .grad import clip_grad_norm_
 from .module import ZeroModule
 from .shard import MixedPrecision, shard
-from .state_dict import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
+from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
     "MixedPrecision",

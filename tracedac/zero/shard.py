@@ -118,11 +118,46 @@ def _arrive(group, timeout) -> None:
         ) from e
 
 
-def _check_same_models(meta: list, group) -> None:
-    """Every rank must shard the same parameters: compare (unit, name, shape, dtype) lists."""
+def _apart(module: nn.Module, group) -> dict[str, tuple]:
+    """Parameters a submodule's earlier ``shard()`` put on another group than ``group`` (expert
+    parallel's experts, on their own ranks): qualified name -> that group's ranks."""
+    ranks = dist.get_process_group_ranks(group)
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        g = getattr(p, "_tracedac_group", None)
+        if g is not None and dist.get_process_group_ranks(g.group) != ranks:
+            out[name] = tuple(dist.get_process_group_ranks(g.group))
+    return out
+
+
+def _check_one_name_per_group(apart: list[dict], group) -> None:
+    """Two ranks holding parameters of different groups under one name would store different
+    data under one checkpoint key (and DCP would keep one): refused here, before training."""
+    seen: dict[str, set] = {}
+    for held in apart:
+        for name, ranks in held.items():
+            seen.setdefault(name, set()).add(ranks)
+    clash = {name: sorted(r) for name, r in seen.items() if len(r) > 1}
+    if clash:
+        shown = "; ".join(f"{n!r} on the groups of ranks {r}" for n, r in list(clash.items())[:5])
+        raise ZeroError(
+            f"parameters sharded earlier over different process groups share a name: {shown}"
+            f"{' (and more)' if len(clash) > 5 else ''}. Each group's ranks hold their own values "
+            "(expert parallel: different experts), so a checkpoint would keep one under that name "
+            "and every rank would load it. Name them apart before sharding, by what they hold: "
+            "experts by global index (a ModuleDict keyed by str(expert index), so rank 1's are "
+            "'experts.2', 'experts.3')."
+        )
+
+
+def _check_same_models(meta: list, apart: dict, group) -> None:
+    """Every rank must shard the same parameters: compare (unit, name, shape, dtype) lists;
+    and parameters nested shards put on other groups must be named apart (``_apart``)."""
     world = dist.get_world_size(group)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, meta, group=group)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (meta, apart), group=group)
+    _check_one_name_per_group([a for _, a in gathered], group)
+    everyone = [m for m, _ in gathered]
     for rank in range(1, world):
         other = everyone[rank]
         if other == everyone[0]:
@@ -236,7 +271,7 @@ def shard(
         for u in uses
     ]
     _arrive(group, timeout)
-    _check_same_models(meta, group)
+    _check_same_models(meta, _apart(module, group), group)
     for u in uses:
         if u.param.dtype != torch.float32 or u.param.is_sparse or u.param.dim() == 0:
             what = (
