@@ -14,7 +14,7 @@ inductor (``fullgraph=True``, caches on, no extra argument); each is compiled af
   (tensors at the allocator; in this process, so Python objects are not all counted).
 - **replay GFLOP**: what the compiled backward recomputes of the forward, by torch's FLOP
   formulas, read off the partition AOTAutograd makes for the same code
-  (``tracedac.compile.report.partition``); for eager tracedac, ``saved_report``.
+  (``tracedac.inspect.compiled.partition``); for eager tracedac, ``saved_report``.
 - **tokens counted**: the routers' counters after one forward + backward (true count:
   tokens x top_k x layers); **max |grad diff|**: against the compiled model without
   checkpointing, same seed.
@@ -104,7 +104,7 @@ def _measure(variant: CompiledVariant, base: GPT, batch, cfg: Config, steps: int
     import torch._functorch.config as functorch_config
     from torch._dynamo.utils import counters
 
-    from tracedac.compile.report import partition
+    from tracedac.inspect.compiled import partition
 
     torch._dynamo.reset()
     counters.clear()

@@ -39,7 +39,7 @@ def _point(model, batch, functorch: dict) -> tuple[int, int]:
     import torch._dynamo
     import torch._functorch.config as functorch_config
 
-    from tracedac.compile.report import partition
+    from tracedac.inspect.compiled import partition
 
     torch._dynamo.reset()
     with functorch_config.patch(functorch):

@@ -22,9 +22,9 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from tracedac.decisions import MUST_RECOMPUTE, MUST_SAVE
-from tracedac.graph import RegionGraph
-from tracedac.planners import MemoryBudget, Problem, closure, must_decisions, node_cost
+from tracedac.policies.planners import MemoryBudget, Problem, closure, must_decisions, node_cost
+from tracedac.record.decisions import MUST_RECOMPUTE, MUST_SAVE
+from tracedac.record.graph import RegionGraph
 
 __all__ = ["Planned", "capture", "floor", "price", "value_network"]
 

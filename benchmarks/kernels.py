@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from tracedac.kernels import accumulate_, pack_cast
+from tracedac.ops import accumulate_, pack_cast
 
 from .child import GOALS, goal_line, table, target
 

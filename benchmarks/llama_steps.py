@@ -130,7 +130,7 @@ def run(
         if dev.type == "cuda":
             rows[key].update(_cuda_memory(dev, models[key], lambda: step(key), lambda: forward(key)))
         if key.startswith("tracedac") and "offload" in key:  # its copies, as tracedac counts them
-            with tracedac.offload.tracked() as copies:
+            with tracedac.offload.host.tracked() as copies:
                 step(key)
             _sync(dev)
             rows[key]["copies"] = {
@@ -152,7 +152,7 @@ def run(
         rows[key]["times_s"] = seconds
     link = None
     if dev.type == "cuda" and any("offload" in k for k in models):  # what the planners priced
-        measured = tracedac.link.measure(dev, dtype)
+        measured = tracedac.offload.link.measure(dev, dtype)
         link = {"bandwidth": measured.bandwidth, "flop_rate": measured.flop_rate}
     return {
         "link": link,
@@ -316,6 +316,6 @@ def format_report(r: dict) -> str:
 
 
 COPIES = (
-    "host copies of one step (tracedac.offload.tracked): bytes each way, and how long the compute "
+    "host copies of one step (tracedac.offload.host.tracked): bytes each way, and how long the compute "
     "stream waited for them (the part of the copies the compute did not hide)"
 )

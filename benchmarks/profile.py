@@ -113,7 +113,7 @@ def run(cfg, device: str = "cpu") -> dict:
         "device": str(dev),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "compiled_replay": tracedac.replay_compiled.is_enabled(dev),
+        "compiled_replay": tracedac.replay.compiled.is_enabled(dev),
     }
     for key, model in (
         ("plain", copy.deepcopy(base)),

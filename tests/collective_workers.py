@@ -193,8 +193,8 @@ def compiled(rank, world, names=tuple(POLICIES)):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from tracedac.compile.report import partition
     from tracedac.compile.vocab import DECISION
+    from tracedac.inspect.compiled import partition
 
     block, x = _inputs(rank, lambda: MoE(world))
     sizes = sizes_of(block, x)

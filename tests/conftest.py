@@ -21,8 +21,8 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 @pytest.fixture
 def host_copies(monkeypatch) -> list:
-    """Every ``tracedac.offload.HostCopy`` made during the test, in order (``nbytes``: its size)."""
-    from tracedac import offload
+    """Every ``tracedac.offload.host.HostCopy`` made during the test, in order (``nbytes``: its size)."""
+    from tracedac.offload import host as offload
 
     made = []
     init = offload.HostCopy.__init__

@@ -84,8 +84,8 @@ def compiled(rank, world, kind, names=tuple(POLICIES)):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from tracedac.compile.report import partition
     from tracedac.compile.vocab import DECISION
+    from tracedac.inspect.compiled import partition
 
     block, x, inputs = _setup(rank, world, kind)
     _, eager_backward, want = _step(block, block, x, inputs)

@@ -505,7 +505,7 @@ def test_a_new_partial_of_the_same_layer_each_call_finds_the_plan_made_for_its_c
     function's code, the module's class, the inputs), not by the partial object, so two
     layers of one class plan once and the cache does not grow (it held every partial, and
     every tensor in it, before)."""
-    from tracedac.plan_cache import plans
+    from tracedac.policies.plan_cache import plans
 
     torch.manual_seed(0)
     layers = [Block(), Block()]
@@ -531,7 +531,7 @@ def test_layers_of_one_class_differing_in_frozen_weights_keep_a_plan_each():
     """What a plan keeps depends on what autograd saves, and a frozen weight changes that
     without changing the ops: the key tells the two layers apart, so neither replaces the
     other's plan on every call."""
-    from tracedac.plan_cache import plans
+    from tracedac.policies.plan_cache import plans
 
     torch.manual_seed(0)
     frozen, trained = Block(), Block()
@@ -552,7 +552,7 @@ def test_a_cached_plan_is_not_applied_where_autograd_saved_something_else():
     saves: the region checks what autograd saved against what the plan was made for, and
     plans again (measured at the allocator)."""
     from benchmarks.probe import allocated_bytes
-    from tracedac.plan_cache import plans
+    from tracedac.policies.plan_cache import plans
     from tracedac.region import current_region
 
     regions = []
@@ -579,7 +579,7 @@ def test_a_cached_plan_is_not_applied_where_autograd_saved_something_else():
 
 
 def test_checkpoint_call_names_the_region_for_the_module_it_runs():
-    from tracedac.naming import register_name, unregister_name
+    from tracedac.record.naming import register_name, unregister_name
     from tracedac.region import reporting
 
     layer, x = Block(), torch.randn(2, 8, 32, requires_grad=True)

@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import sdpa_flop_count
 
 from tracedac import _compat
-from tracedac.graph import op_flops
+from tracedac.record.graph import op_flops
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (4, 1)])

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
 from tracedac import CheckpointError, policies
-from tracedac.compile.report import partition
+from tracedac.inspect.compiled import partition
 
 BACKEND = "aot_eager_decomp_partition"
 

@@ -56,6 +56,7 @@ def test_inductor_cache_key_covers_every_pass_file_and_the_vocabulary(tmp_path, 
     copy = tmp_path / "tracedac"
     shutil.copytree(install.ROOT, copy / "compile", ignore=shutil.ignore_patterns("__pycache__"))
     for f in install.DEPENDS:
+        (copy / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(os.path.dirname(install.ROOT), f), copy / f)
     monkeypatch.setattr(install, "ROOT", str(copy / "compile"))
     assert install.PASS.uuid() == real  # the copy hashes alike: the key is the contents
@@ -67,3 +68,21 @@ def test_inductor_cache_key_covers_every_pass_file_and_the_vocabulary(tmp_path, 
         assert install.PASS.uuid() != real, path.name
         path.write_bytes(text)
     assert install.PASS.uuid() == real
+
+
+def test_the_cache_key_hashes_every_module_the_passes_import():
+    """A pass decides with what it imports (planners, decisions, the graph): an edit there must
+    change the key too, or inductor serves a graph tagged by the old code. Read from the
+    imports (tests/test_imports.py), not from a list kept by hand."""
+    import tracedac.compile.install as install
+    from tests.test_imports import EDGES, MODULES
+
+    seen, stack = set(), [m for m in MODULES if m.startswith("tracedac.compile")]
+    while stack:
+        for d in EDGES[stack.pop()]:
+            if d not in seen:
+                seen.add(d)
+                stack.append(d)
+    needed = {str(MODULES[m]) for m in seen if not m.startswith("tracedac.compile")}
+    hashed = {os.path.abspath(f) for f in install.sources()}
+    assert needed <= hashed, sorted(needed - hashed)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import tracedac
 from tracedac import policies
-from tracedac import replay_compiled as compiled
+from tracedac.replay import compiled as compiled
 
 from .util import OpCounter
 

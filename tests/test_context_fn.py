@@ -1,5 +1,5 @@
 """A ``context_fn`` that is not torch's selective checkpointing: its pair of contexts entered
-as torch's checkpoint enters them (``tracedac.selective.Contexts``). The forward context
+as torch's checkpoint enters them (``tracedac.policies.selective.Contexts``). The forward context
 around the forward, once; the recompute context around each replay of the region, in
 backward. torch's own run of the same program, and eager without checkpointing, are the
 oracles for what the forward context sees and for the gradients."""

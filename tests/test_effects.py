@@ -19,7 +19,7 @@ from torch.nn import functional as F
 import tracedac
 from tracedac import policies
 from tracedac.region import reporting
-from tracedac.replay import fill_fresh_with_nan
+from tracedac.replay.run import fill_fresh_with_nan
 
 POLICIES = [
     policies.recompute_all(),
@@ -235,7 +235,7 @@ def test_recurrent_modules_match_eager(name, policy):
 def test_hidden_write_table_is_torchs_and_true():
     """torch's SchemaInfo list is found (flagged by ``training``), and every extra entry names
     arguments the op has; batch_norm_update_stats, the one with a CPU kernel, really writes."""
-    from tracedac.writes import EXTRA, hidden_writes
+    from tracedac.record.undeclared_writes import EXTRA, hidden_writes
 
     aten = torch.ops.aten
     assert hidden_writes(aten.native_batch_norm.default) == (

@@ -1,49 +1,25 @@
-"""The library's imports run one way and close no circle (docs/design.md, "Layout").
+"""The library's imports run one way, read from its folders (docs/design.md, "Layout").
 
-Read from the source with ``ast``: every ``import`` and ``from ... import`` in a module,
-at the top or inside a function (a lazy import that dodges a circle is still a circle).
-Layers, bottom first: a module may import its own layer and the ones below, never above.
+Read from the source with ``ast``: every ``import`` and ``from ... import`` in a module, at the
+top or inside a function (a lazy import that dodges a circle is still a circle). A *room* is
+a folder of ``tracedac/`` or one of its top-level modules. No module imports in a circle, no
+room imports in a circle either (so the folders have an order: what each may import), and
+docs/design.md lists the rooms in that order. Every ``torch.library`` op is defined in
+``tracedac/ops/`` (the ``torch.ops.tracedac`` namespace), and no other module is called ``ops``.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
 import tracedac
 
 ROOT = pathlib.Path(tracedac.__file__).parent
-
-# Bottom first. A name is a top-level module or package of tracedac.
-LAYERS = (
-    ("errors", "_compat", "kernels", "location", "naming", "copy_stats", "host_group"),
-    (
-        "graph",
-        "writes",
-        "op_info",
-        "decisions",
-        "matching",
-        "report",
-        "offload",
-        "subclasses",
-        "link",
-        "collectives",
-    ),
-    ("trace",),
-    ("replay_compiled", "replay_plan", "replay"),
-    ("min_cut", "offload_plan"),
-    ("planners",),
-    ("plan_cache", "wrappers"),
-    ("collectives", "policies"),
-    ("selective",),
-    ("compile",),
-    ("region",),
-    ("checkpoint", "inspect", "tradeoff"),
-    ("zero", "integrations"),
-)
-LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+DESIGN = ROOT.parent / "docs" / "design.md"
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -86,13 +62,26 @@ def _imports(name: str, path: pathlib.Path) -> set[str]:
 EDGES = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
-def _layer(module: str) -> int | None:
+def room(module: str) -> str | None:
+    """The folder or top-level module of ``tracedac`` that ``module`` is in (None: the package)."""
     parts = module.split(".")
-    return LAYER.get(parts[1]) if len(parts) > 1 else None
+    return parts[1] if len(parts) > 1 else None
 
 
-def _cycles() -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
+def room_edges(edges: dict) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for a, deps in edges.items():
+        if room(a) is None:
+            continue
+        out.setdefault(room(a), set())
+        for b in deps:
+            if room(b) is not None and room(b) != room(a):
+                out[room(a)].add(room(b))
+    return out
+
+
+def cycles(edges: dict) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -100,7 +89,7 @@ def _cycles() -> list[list[str]]:
         counter[0] += 1
         stack.append(v)
         on.add(v)
-        for w in EDGES[v]:
+        for w in edges.get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -117,45 +106,75 @@ def _cycles() -> list[list[str]]:
             if len(component) > 1:
                 out.append(sorted(component))
 
-    for v in EDGES:
+    for v in edges:
         if v not in index:
             visit(v)
     return out
 
 
-def test_every_module_of_the_library_has_a_layer():
-    """A new top-level module must say where it sits before it can be imported from."""
-    missing = sorted({m.split(".")[1] for m in MODULES if m != "tracedac" and _layer(m) is None})
-    assert missing == [], f"add these to LAYERS in {__file__}: {missing}"
-
-
 def test_no_import_closes_a_circle():
-    assert _cycles() == []
+    assert cycles(EDGES) == []
 
 
-def test_no_module_imports_from_a_layer_above_its_own():
-    upward = sorted(
-        f"{a} -> {b}"
-        for a, deps in EDGES.items()
-        for b in deps
-        if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)
-    )
+def test_the_folders_import_one_way():
+    """Between rooms too: a folder that imports one which imports it back has no place."""
+    assert cycles(room_edges(EDGES)) == []
+
+
+def _documented_order() -> list[str]:
+    """The rooms as docs/design.md lists them, bottom first (its line ``Rooms, bottom first: ...``)."""
+    m = re.search(r"Rooms, bottom first:(.*?)(?:\n\n|$)", DESIGN.read_text(), re.S)
+    assert m, f"{DESIGN} has no line 'Rooms, bottom first: ...'"
+    return re.findall(r"`([\w]+)/?(?:\.py)?`", m.group(1))
+
+
+def test_docs_list_every_room_below_what_imports_it():
+    """The layer order is visible: docs/design.md names every folder and top-level module, each
+    after every room it imports, so a newcomer reads the house bottom up."""
+    order = _documented_order()
+    rooms = room_edges(EDGES)
+    assert sorted(order) == sorted(rooms), (sorted(set(rooms) - set(order)), sorted(set(order) - set(rooms)))
+    position = {r: i for i, r in enumerate(order)}
+    upward = sorted(f"{a} -> {b}" for a, deps in rooms.items() for b in deps if position[b] > position[a])
     assert upward == []
 
 
-def test_the_checker_finds_a_circle_and_an_upward_import(monkeypatch):
-    """The checks above can fail: a graph with a circle and an upward edge is reported."""
+def test_the_checker_finds_a_circle_between_modules_and_between_folders():
+    """The checks above can fail: circles are reported, at either level."""
     edges = {
-        "tracedac.graph": {"tracedac.trace"},
-        "tracedac.trace": {"tracedac.graph", "tracedac.zero"},
-        "tracedac.zero": set(),
+        "tracedac.record.graph": {"tracedac.record.tracer"},
+        "tracedac.record.tracer": {"tracedac.record.graph", "tracedac.zero"},
+        "tracedac.zero": {"tracedac.record.decisions"},
+        "tracedac.record.decisions": set(),
     }
-    monkeypatch.setattr(__import__(__name__, fromlist=["EDGES"]), "EDGES", edges)
-    assert _cycles() == [["tracedac.graph", "tracedac.trace"]]
-    assert _layer("tracedac.zero.unit") > _layer("tracedac.trace")
+    assert cycles(edges) == [["tracedac.record.graph", "tracedac.record.tracer"]]
+    assert cycles(room_edges(edges)) == [["record", "zero"]]
+
+
+_DEFINES_OP = re.compile(r"torch\.library\.(custom_op|triton_op|define|Library)\b|\blibrary\.custom_op\b")
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
-def test_no_file_of_the_library_is_over_450_lines(name):
-    """One idea a file (docs/design.md, "Layout"): a file past this has grown a second one."""
-    assert len(MODULES[name].read_text().splitlines()) <= 450
+def test_only_tracedac_ops_defines_torch_library_ops(name):
+    """``tracedac/ops/`` is the ``torch.ops.tracedac`` namespace: every op is defined there."""
+    if room(name) == "ops":
+        return
+    found = [line.strip() for line in MODULES[name].read_text().splitlines() if _DEFINES_OP.search(line)]
+    assert found == [], f"{name} defines an op outside tracedac/ops: {found}"
+
+
+def test_no_other_module_is_called_ops():
+    assert [m for m in MODULES if m.rpartition(".")[2] == "ops" and m != "tracedac.ops"] == []
+
+
+def test_the_public_ops_are_the_documented_calls():
+    """``from tracedac import ops; ops.pack_cast(...)`` as the design shows."""
+    import torch
+
+    from tracedac import ops
+
+    dst = torch.empty(6, dtype=torch.bfloat16)
+    assert ops.pack_cast([torch.ones(2, 2), torch.full((2,), 2.0)], dst) is dst
+    assert dst.tolist() == [1, 1, 1, 1, 2, 2]
+    acc = torch.zeros(6)
+    assert ops.accumulate_(acc, dst).tolist() == [1, 1, 1, 1, 2, 2]

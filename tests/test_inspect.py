@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import tracedac
 from tracedac import checkpoint, policies, print_saved, saved_report
-from tracedac.graph import human_bytes
+from tracedac.record.graph import human_bytes
 
 
 class MLP(nn.Module):

@@ -13,8 +13,10 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import tracedac
 from benchmarks.probe import allocated_bytes as allocated
-from tracedac import checkpoint, policies, replay_compiled
+from tracedac import checkpoint, policies
+from tracedac.policies.wrappers import OffloadKept
 from tracedac.region import reporting
+from tracedac.replay import compiled as replay_compiled
 
 MiB = 1 << 20
 N = (256, 1024)  # one activation: 1 MiB of fp32
@@ -129,12 +131,12 @@ def test_after_backward_nothing_of_the_graph_survives(policy, compiled):
             handles = [weakref.ref(h) for h in regions[0].handles]
             regions.clear()
             assert handles and graph() is not None
-            assert kept or isinstance(policy, policies.OffloadKept)  # (offloaded: held on the host)
+            assert kept or isinstance(policy, OffloadKept)  # (offloaded: held on the host)
             out.backward()
             assert graph() is None and all(r() is None for r in kept + handles), (
                 "freed by reference counting alone"
             )
-        replays = not isinstance(policy, policies.OffloadKept)  # (save_all offloaded: nothing to replay)
+        replays = not isinstance(policy, OffloadKept)  # (save_all offloaded: nothing to replay)
         assert (replay_compiled.stats().get("runs", 0) > 0) == (compiled and replays)
     finally:
         tracedac.compiled_replay(before)

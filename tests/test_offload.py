@@ -1,5 +1,5 @@
 """Offload as a third choice: a result the policy offloads is copied to host memory in the
-forward and brought back in backward (``tracedac.offload``).
+forward and brought back in backward (``tracedac.offload.host``).
 
 Oracles: eager autograd (values and gradients, bitwise), the same region keeping what is
 offloaded here (``save_all``/``save_ops``: offloading must change where a tensor lives,
@@ -317,8 +317,8 @@ def test_on_cuda_the_copy_is_pinned_asynchronous_and_the_device_memory_goes():
     """CUDA: copies to pinned host memory on a side stream, the original's block released to
     the allocator once the program drops it, the values back bitwise; a write the region
     records right after the copy waits for it (the copy holds the state before the write)."""
-    from tracedac.graph import TensorMeta
-    from tracedac.offload import HostCopy
+    from tracedac.offload.host import HostCopy
+    from tracedac.record.graph import TensorMeta
 
     a = args(device="cuda")
     eager = run(block, a)
@@ -363,7 +363,7 @@ def _three_offloaded_regions(device="cpu"):
 def _last_batches(n: int) -> list:
     """The host copies of the last ``n`` regions that ended, per region (weak references:
     copies no handle kept are gone)."""
-    from tracedac import offload
+    from tracedac.offload import host as offload
 
     return list(offload._batches[-n:])
 
@@ -401,7 +401,7 @@ def test_reading_a_regions_host_copies_brings_back_the_region_before_it_and_no_f
 
 
 def test_prefetch_regions_zero_brings_back_each_copy_only_when_read():
-    from tracedac import offload
+    from tracedac.offload import host as offload
 
     offload.prefetch_regions(0)
     try:
@@ -442,7 +442,7 @@ class _BringBacks:
     """Serve copies as on a GPU (brought back, not read in place) and count each bring-back."""
 
     def __init__(self, monkeypatch):
-        from tracedac import offload
+        from tracedac.offload import host as offload
 
         self.counts: dict = {}
         bring_back = offload.HostCopy._bring_back
@@ -495,9 +495,9 @@ def test_every_copy_comes_back_at_most_once_per_backward_and_gives_eagers_gradie
 
 
 def test_tracked_counts_the_copies_each_way_once_and_nothing_outside_it(monkeypatch):
-    """``tracedac.offload.tracked``: what a step sent to the host and brought back, counted by
+    """``tracedac.offload.host.tracked``: what a step sent to the host and brought back, counted by
     tracedac (served as on a GPU, brought back; the CPU's wait is none: ``stalled_s`` 0)."""
-    from tracedac import offload
+    from tracedac.offload import host as offload
 
     _BringBacks(monkeypatch)
     g = torch.Generator().manual_seed(0)
@@ -545,7 +545,7 @@ def test_only_what_backward_reads_crosses_the_link(monkeypatch, case):
       region's output, which the next region holds as it came, and the last one's nobody saves.
     - ``offload_kept(save_all())``: only sin's input leaves; the matmul's result (saved by
       nobody, replayed for nothing) and sin's (the output) do not."""
-    from tracedac import offload
+    from tracedac.offload import host as offload
 
     _BringBacks(monkeypatch)
     blocks, plain, inputs, copies, nbytes = case()
@@ -595,7 +595,7 @@ def test_on_cuda_tracked_times_the_compute_streams_waits_for_copies():
     first goes out and comes back (replay starts from it); the second is the next block's
     input, which that region holds as it came, so it never leaves (as on the CPU:
     ``test_only_what_backward_reads_crosses_the_link``)."""
-    from tracedac import offload
+    from tracedac.offload import host as offload
 
     offload.prefetch_regions(0)
     try:

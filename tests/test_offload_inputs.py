@@ -98,8 +98,8 @@ def test_inputs_offloaded_give_eagers_values_and_gradients_bitwise_step_after_st
 def test_compiled_replay_from_copies_served_as_on_a_gpu_gives_eagers_gradients(monkeypatch):
     """Replay starts from the inputs' copies, brought back as on a GPU, and runs compiled
     (within inductor's rounding, as compiled replay is)."""
-    from tracedac import offload
-    from tracedac.replay_compiled import stats
+    from tracedac.offload import host as offload
+    from tracedac.replay.compiled import stats
 
     monkeypatch.setattr(offload, "_in_place", lambda device: False)
     want = grads(stack(), X)

@@ -1,5 +1,5 @@
 """The planner chooses among keep, offload and replay (``memory_budget(b, offload=...)``,
-``min_cut(offload=...)``; the cost model is ``tracedac.offload_plan``'s).
+``min_cut(offload=...)``; the cost model is ``tracedac.policies.placement``'s).
 
 Oracles: brute force over every choice of every item (the solver is the least estimated time
 within both capacities); the plan without offload (a link too slow to use gives it exactly);
@@ -23,12 +23,13 @@ from hypothesis import strategies as st
 
 import tracedac
 from benchmarks.probe import allocated_bytes
-from tracedac import CheckpointError, checkpoint, link, policies
-from tracedac.inspect import record
+from tracedac import CheckpointError, checkpoint, policies
+from tracedac.inspect.saved import record
+from tracedac.inspect.tradeoff import _Region
 from tracedac.integrations import hf
-from tracedac.offload_plan import place
+from tracedac.offload import link
 from tracedac.policies import Link
-from tracedac.tradeoff import _Region
+from tracedac.policies.placement import place
 
 from .test_offload import args, block, run
 from .test_planners import Block
@@ -252,7 +253,7 @@ def test_the_plan_made_at_the_first_step_is_followed_at_every_step_after(monkeyp
     gradients. (The offloads a cached plan made while recording were once taken for the
     policy's own: the plan looked stale, was made again around them, and from the third
     step on nothing was offloaded and those values were replayed.)"""
-    from tracedac import plan_cache
+    from tracedac.policies import plan_cache
 
     copied = []  # per step: the bytes of each host copy made
     f = checkpoint(block, policy=STEADY[name])

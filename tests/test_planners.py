@@ -14,13 +14,14 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
-from tracedac import CheckpointError, checkpoint, planners, policies
-from tracedac.inspect import record
-from tracedac.min_cut import min_cut_keep
-from tracedac.plan_cache import plans
-from tracedac.planners import closure, costs, knapsack
+from tracedac import CheckpointError, checkpoint, policies
+from tracedac.inspect.saved import record
+from tracedac.inspect.tradeoff import _Region
+from tracedac.policies import planners
+from tracedac.policies.min_cut import min_cut_keep
+from tracedac.policies.plan_cache import plans
+from tracedac.policies.planners import closure, costs, knapsack
 from tracedac.region import current_region
-from tracedac.tradeoff import _Region
 
 from . import test_properties as programs_
 from .util import assert_same_grads
@@ -448,4 +449,4 @@ def test_closure_walks_as_the_replay_plan_does_generator_state_included():
     wanted = {(m.group, m.state + 1) for m in second.tensor_args}  # its mask, after the draw
     run = closure(p.graph, wanted, set())
     assert draws[0] in run and draws[1] in run
-    assert run == tracedac.replay_plan.plan(p.graph, wanted).nodes
+    assert run == tracedac.replay.plan.plan(p.graph, wanted).nodes

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
-from tracedac import CheckpointError, checkpoint, offload, policies
-from tracedac.replay import fill_fresh_with_nan
+from tracedac import CheckpointError, checkpoint, policies
+from tracedac.offload import host as offload
+from tracedac.replay.run import fill_fresh_with_nan
 
 aten = torch.ops.aten
 SHAPE = (4, 6)

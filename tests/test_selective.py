@@ -1,6 +1,6 @@
 """torch's selective activation checkpointing taken as it is: a ``context_fn`` made by
 ``create_selective_checkpoint_contexts`` becomes the tracedac policy deciding the same for
-the same ops (``tracedac.selective``). torch's own run of the same ``context_fn`` is the
+the same ops (``tracedac.policies.selective``). torch's own run of the same ``context_fn`` is the
 oracle: the same gradients, the same expensive ops recomputed, the same questions asked."""
 
 import contextlib
@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import tracedac
 from tracedac import CheckpointError, checkpoint_call, policies
-from tracedac.selective import TorchSelective, from_context_fn, torch_selective
+from tracedac.policies.selective import TorchSelective, from_context_fn, torch_selective
 
 from .util import OpCounter
 
@@ -254,7 +254,7 @@ def test_a_bool_answer_is_read_as_torch_reads_it():
     ids=["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"],
 )
 def test_asking_to_offload_offloads_and_gives_torchs_gradients(offload):
-    """An offload decision is carried out (tracedac.offload), not refused nor silently kept:
+    """An offload decision is carried out (tracedac.offload.host), not refused nor silently kept:
     the matmuls' results leave the region's handles for host copies, nothing is replayed, and
     the gradients are bitwise torch's."""
     x, y = _xy()

@@ -3,12 +3,12 @@
 See README.md for a tour. Everything public is re-exported here; nothing runs at import.
 """
 
-from . import policies
+from . import ops, policies
 from .checkpoint import checkpoint, checkpoint_call, is_checkpointed, name, unwrap, wrap
 from .errors import CheckpointError
-from .inspect import print_saved, saved_report
-from .replay_compiled import compiled_replay
-from .tradeoff import trade_off
+from .inspect.saved import print_saved, saved_report
+from .inspect.tradeoff import trade_off
+from .replay.compiled import compiled_replay
 
 __all__ = [
     "CheckpointError",
@@ -17,6 +17,7 @@ __all__ = [
     "compiled_replay",
     "is_checkpointed",
     "name",
+    "ops",
     "policies",
     "print_saved",
     "saved_report",

@@ -10,20 +10,34 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 import torch
 from torch import nn
 
 from ._compat import class_forward, prepend_forward_pre_hook
-from .compile import name_op, traced_region
-from .decisions import hold
+from .compile import traced_region
 from .errors import CheckpointError
 from .matching import module_matcher, no_match_error
-from .policies import check_policy, recompute_all
+from .ops.marks import name_op
+from .policies.held import check_policy
+from .policies.per_op import recompute_all
+from .policies.selective import COMPILED_FOREIGN, is_noop_context_fn, policy_for_context_fn
+from .policies.spec import PolicySpec, spec_of
 from .region import Region, current_region, regions, run_region, tracing
-from .selective import COMPILED_FOREIGN, is_noop_context_fn, policy_for_context_fn
 
-__all__ = ["checkpoint", "checkpoint_call", "is_checkpointed", "name", "unwrap", "wrap"]
+__all__ = [
+    "checkpoint",
+    "checkpoint_call",
+    "is_checkpointed",
+    "name",
+    "overridden",
+    "overriding",
+    "unwrap",
+    "wrap",
+]
+
+_local = threading.local()
 
 
 # --- modules -----------------------------------------------------------------------------
@@ -32,8 +46,8 @@ __all__ = ["checkpoint", "checkpoint_call", "is_checkpointed", "name", "unwrap",
 class _ModuleHooks:
     """Forward pre/post hooks that run a module's forward (and the hooks after ours) in a region."""
 
-    def __init__(self, policy, name: str, qualified: bool):
-        self.policy = policy
+    def __init__(self, spec: PolicySpec, name: str, qualified: bool):
+        self.spec = spec
         self.name = name  # the module's qualified name in its model, or its class name
         self.qualified = qualified
         self.names = None  # id(submodule) -> qualified name, built on first call
@@ -46,7 +60,7 @@ class _ModuleHooks:
             prefix = f"{self.name}." if self.qualified else ""
             self.names = {id(m): (prefix + n) if n else self.name for n, m in module.named_modules()}
         region = Region(
-            self.policy,
+            overridden(self) or self.spec,
             self.name,
             module=module,
             module_names=self.names,
@@ -68,11 +82,40 @@ class _ModuleHooks:
         region.__exit__(*exc)
         return None
 
+    @property
+    def policy(self):
+        return self.spec.policy
+
     def __repr__(self) -> str:
         return f"tracedac.checkpoint(policy={self.policy!r})"
 
 
-def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn.Module:
+class overriding:
+    """While active, in this thread, the regions ``owner`` makes (a module's ``_ModuleHooks``, an
+    integration's state) run under ``spec`` instead of its policy (``inspect``'s reports under
+    another policy), without touching ``owner``: another thread running it, and the regions
+    nested inside it, keep theirs."""
+
+    def __init__(self, owner, spec: PolicySpec):
+        self.owner, self.spec = owner, spec
+
+    def __enter__(self):
+        self.previous = getattr(_local, "override", None)
+        _local.override = (self.owner, self.spec)
+        return self
+
+    def __exit__(self, *exc):
+        _local.override = self.previous
+        return False
+
+
+def overridden(owner) -> PolicySpec | None:
+    """The spec ``overriding`` set for ``owner`` in this thread, or None."""
+    override = getattr(_local, "override", None)
+    return override[1] if override is not None and override[0] is owner else None
+
+
+def _checkpoint_module(module: nn.Module, spec: PolicySpec, name: str | None = None) -> nn.Module:
     existing = getattr(module, "_tracedac", None)
     if existing is not None:
         raise CheckpointError(
@@ -81,7 +124,7 @@ def _checkpoint_module(module: nn.Module, policy, name: str | None = None) -> nn
             "Wrap each module once (tracedac.wrap skips modules inside a matched one)."
         )
     hooks = _ModuleHooks(
-        policy, name if name is not None else type(module).__name__, qualified=name is not None
+        spec, name if name is not None else type(module).__name__, qualified=name is not None
     )
     hooks.handles = (
         prepend_forward_pre_hook(module, hooks.pre),
@@ -123,14 +166,13 @@ def _is_traced_forward(f) -> bool:
 DEFAULT_POLICY = recompute_all()
 
 
-def _policy(policy):
-    """``policy`` checked (or the default), and findable by id while it lives (a compiled
-    region names it so: ``decisions.HELD``)."""
-    if policy is None:
-        return DEFAULT_POLICY
-    check_policy(policy)
-    hold(policy)
-    return policy
+DEFAULT_SPEC = spec_of(DEFAULT_POLICY)
+
+
+def _spec(policy) -> PolicySpec:
+    """``policy`` (or the default) checked, held by id while it lives (a compiled region names
+    it so: ``policies.held``), and described once for every region it runs (``spec_of``)."""
+    return DEFAULT_SPEC if policy is None else spec_of(policy)
 
 
 def checkpoint(fn=None, /, *, policy=None):
@@ -149,9 +191,9 @@ def checkpoint(fn=None, /, *, policy=None):
             f"class would checkpoint nothing that runs. Checkpoint each instance (tracedac.checkpoint("
             f"model.block)), or every instance inside a model with tracedac.wrap(model, {fn.__name__})."
         )
-    policy = _policy(policy)
+    spec = _spec(policy)
     if isinstance(fn, nn.Module):
-        return _checkpoint_module(fn, policy)
+        return _checkpoint_module(fn, spec)
     if not callable(fn):
         raise TypeError(
             f"checkpoint() takes a function or an nn.Module, got {fn!r} of type {type(fn).__name__}"
@@ -160,19 +202,23 @@ def checkpoint(fn=None, /, *, policy=None):
 
     @functools.wraps(fn)
     def checkpointed(*args, **kwargs):
-        return run_region(fn, args, kwargs, policy, region_name)
+        return run_region(fn, args, kwargs, spec, region_name)
 
-    checkpointed._tracedac = _FunctionRegion(fn, policy, region_name)
+    checkpointed._tracedac = _FunctionRegion(fn, spec, region_name)
     return checkpointed
 
 
 class _FunctionRegion:
-    __slots__ = ("fn", "policy", "name")
+    __slots__ = ("fn", "spec", "name")
 
-    def __init__(self, fn, policy, name):
+    def __init__(self, fn, spec: PolicySpec, name):
         self.fn = fn
-        self.policy = policy
+        self.spec = spec
         self.name = name
+
+    @property
+    def policy(self):
+        return self.spec.policy
 
 
 def checkpoint_call(
@@ -233,8 +279,11 @@ def checkpoint_call(
                 + COMPILED_FOREIGN
             )
         policy = selective if selective is not None else policy
-    policy = _policy(policy)
-    return run_region(function, args, kwargs, policy, contexts=contexts)
+    if tracing(args, kwargs):  # marked for the compiler, by the policy itself (compile/registry.py)
+        if policy is not None:
+            check_policy(policy)
+        return run_region(function, args, kwargs, policy or DEFAULT_POLICY)
+    return run_region(function, args, kwargs, _spec(policy), contexts=contexts)
 
 
 def wrap(model: nn.Module, match, policy=None) -> nn.Module:
@@ -245,13 +294,13 @@ def wrap(model: nn.Module, match, policy=None) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"wrap() takes an nn.Module, got {type(model).__name__}")
-    policy = _policy(policy)
+    spec = _spec(policy)
     pred = module_matcher(match)
     matched = []
 
     def visit(prefix: str, module: nn.Module):
         if pred(prefix, module):
-            _checkpoint_module(module, policy, prefix or None)
+            _checkpoint_module(module, spec, prefix or None)
             matched.append(prefix)
             return
         for child_name, child in module.named_children():

@@ -1,6 +1,7 @@
-"""The one exception tracedac raises for what it cannot do safely."""
+"""The exceptions tracedac raises for what it cannot do safely: ``CheckpointError`` (a region),
+``ZeroError`` (a sharded model)."""
 
-__all__ = ["CheckpointError"]
+__all__ = ["CheckpointError", "ZeroError"]
 
 
 class CheckpointError(RuntimeError):
@@ -8,4 +9,11 @@ class CheckpointError(RuntimeError):
 
     Raised instead of ever returning a wrong value: the message names the tensor, the op
     and the place involved, says why, and says what to change.
+    """
+
+
+class ZeroError(RuntimeError):
+    """Sharding cannot go on: no process group, ranks that disagree, or a collective that failed.
+
+    The message says what happened, on which rank and unit, why, and what to do.
     """

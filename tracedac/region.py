@@ -17,20 +17,20 @@ import weakref
 import torch
 from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 
-from .collectives import check_agreement
 from .compile import traced_region
-from .decisions import inner_flag, is_offload, is_save, replays_collectives, resolve
 from .errors import CheckpointError
-from .graph import RegionGraph
-from .location import track_modules
-from .naming import arg_refs, describe, module_table, registered_name
-from .offload import host_copy, leave_device, settle
-from .plan_cache import Planning, computation, plan_key
-from .planners import planner_of
-from .replay import Slot
-from .replay_plan import plan
-from .subclasses import is_subclass, saved
-from .trace import TracerMode
+from .offload.host import host_copy, leave_device, settle
+from .policies.collectives import check_agreement
+from .policies.plan_cache import Planning, computation, plan_key
+from .policies.spec import PolicySpec
+from .record.decisions import is_offload, is_save, resolve
+from .record.graph import RegionGraph
+from .record.location import track_modules
+from .record.naming import arg_refs, describe, module_table, registered_name
+from .record.subclasses import is_subclass, saved
+from .record.tracer import TracerMode
+from .replay.plan import plan
+from .replay.run import Slot
 
 __all__ = ["REBUILDERS", "Region", "current_region", "regions", "reporting", "run_region", "tracing"]
 
@@ -76,7 +76,7 @@ class Region:
 
     def __init__(
         self,
-        policy,
+        spec,
         name: str,
         *,
         module=None,
@@ -87,8 +87,11 @@ class Region:
         code=None,
         prefix: str = "",
     ):
-        self.constant = getattr(policy, "constant", None)  # a policy that never looks at the node
-        self.graph = RegionGraph(name, policy)
+        """``spec``: the policy's ``PolicySpec`` (``policies.spec.spec_of``), read once where the
+        policy was checked."""
+        self.spec = spec
+        self.constant = spec.constant  # a policy that never looks at the node
+        self.graph = RegionGraph(name, spec.policy)
         self.module = module
         self.prefix = prefix  # "blocks.3." when the region is named by its module's qualified name
         reporting = getattr(_local, "reporting", None)
@@ -111,21 +114,16 @@ class Region:
             self.arg_refs += arg_refs(kwargs.items(), "argument {!r}")
         # A whole-graph planner decides from a plan cached for this code and these inputs
         # (checked against the structure as it records), or plans when the region ends.
-        planner = planner_of(policy)
         self.planning = None
-        self.timing = False
+        self.timing = spec.timing
+        self.offload_inputs = spec.offloads_inputs  # computed inputs leave at the end
+        # the recorder hands a policy that reads the op's values those (``tracer.deciding``)
+        self.reads_values = spec.reads_values
         # whether anything may be offloaded (region exit then settles the host copies)
-        self.offloads = getattr(policy, "offloads_kept", False)
-        self.offload_inputs = inner_flag(policy, "offloads_inputs")  # computed inputs leave at the end
-        # the recorder hands a policy that reads the op's values those (``trace.deciding``)
-        self.reads_values = inner_flag(policy, "reads_values")
-        if planner is not None:
-            key = None if self.report else plan_key(policy, code, module, args, kwargs)
-            self.planning = Planning(planner, key, offload=self.offloads)
-            # a planner made with offload= may move results to the host too
-            self.offloads = self.offloads or getattr(planner, "offload", False) is not False
-            self.timing = getattr(planner, "cost", None) == "time"
-        self.offloads = self.offloads or self.offload_inputs
+        self.offloads = spec.may_offload
+        if spec.planner is not None:
+            key = None if self.report else plan_key(spec.policy, code, module, args, kwargs)
+            self.planning = Planning(spec.planner, key, offload=spec.offloads_kept)
         self.tracer = TracerMode(self.graph, self)
         # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
         # so nothing but the handles keeps the graph alive.
@@ -143,7 +141,7 @@ class Region:
     # -- recording --
     def decide(self, node) -> bool:
         """Decide ``node`` (``node.decision``); whether to hold its result until the region ends."""
-        d = resolve(self.graph.policy, node, self.constant)
+        d = resolve(self.spec, node)
         offload = is_offload(d)
         if offload:
             self.offloads = True
@@ -294,7 +292,7 @@ class Region:
         kept_groups = {slot.meta.group for slot in self.kept}
         kept, self.kept = self.kept, []
         wanted = [(s.meta.group, s.meta.state) for s in graph.slots()]  # not kept: memory
-        if not replays_collectives(self.policy):
+        if not self.spec.replays_collectives:
             p = plan(graph, wanted)
         else:  # every rank replays the same collectives, or every rank refuses (collectives.py)
             try:
@@ -400,15 +398,18 @@ def tracing(args=(), kwargs=None) -> bool:
 
 
 def run_region(
-    fn, args, kwargs, policy, name=None, *, module=None, module_names=None, report=False, contexts=None
+    fn, args, kwargs, spec, name=None, *, module=None, module_names=None, report=False, contexts=None
 ):
-    """Call ``fn`` once inside a region (or plainly when no gradient is being recorded).
+    """Call ``fn`` once inside a region under ``spec`` (a ``PolicySpec``), or plainly when no
+    gradient is being recorded; under a tracer, marked for the compiler (``spec`` may then be
+    the policy itself: the compiled path names it, ``compile/registry.py``).
 
     Without a ``name``, the region is named for the module ``fn`` runs on (its qualified
     name if registered, else its class) or for the function. ``contexts``: a context_fn's
     (``selective.Contexts``), entered around the forward inside the region and around its replays.
     """
     if tracing(args, kwargs):  # under dynamo, make_fx, export or fake tensors: marked, not recorded
+        policy = spec.policy if isinstance(spec, PolicySpec) else spec
         return traced_region(fn, args, kwargs, policy, name or getattr(fn, "__qualname__", type(fn).__name__))
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
@@ -426,7 +427,7 @@ def run_region(
     if module_names is None and module is not None:
         module_names = module_table(module, name, qualified)
     with Region(
-        policy,
+        spec,
         name,
         module=module,
         module_names=module_names,

@@ -17,7 +17,7 @@ import pytest
 from benchmarks import ep
 from benchmarks.__main__ import main
 from benchmarks.collectives import COLLECTIVE_NAMESPACES
-from tracedac.decisions import COLLECTIVE_NAMESPACES as KEPT_BY_TRACEDAC
+from tracedac.record.decisions import COLLECTIVE_NAMESPACES as KEPT_BY_TRACEDAC
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 

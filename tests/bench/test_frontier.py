@@ -48,8 +48,8 @@ def test_a_compiled_budget_replays_no_more_than_its_plan_priced(monkeypatch):
     import copy
 
     import tracedac
-    from tracedac import planners
-    from tracedac.compile.report import partition
+    from tracedac.inspect.compiled import partition
+    from tracedac.policies import planners
 
     priced = []
     choose = planners.MemoryBudget.choose

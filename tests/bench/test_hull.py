@@ -13,9 +13,9 @@ import tracedac
 from benchmarks import hull
 from benchmarks.compiled import QUICK
 from benchmarks.model import GPT, make_batch
-from tracedac.compile.report import partition
-from tracedac.inspect import record
-from tracedac.tradeoff import _Region
+from tracedac.inspect.compiled import partition
+from tracedac.inspect.saved import record
+from tracedac.inspect.tradeoff import _Region
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 

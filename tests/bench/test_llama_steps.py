@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import llama_steps
-from tracedac import replay_compiled as compiled
+from tracedac.replay import compiled as compiled
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 

@@ -13,7 +13,7 @@ import tracedac
 from benchmarks.probe import allocated_bytes
 from tracedac import CheckpointError, policies
 from tracedac.integrations import hf
-from tracedac.plan_cache import plans
+from tracedac.policies.plan_cache import plans
 from tracedac.region import current_region, reporting
 
 from ..support.hf_models import ARCHITECTURES, batch, build, loss, needs_switch

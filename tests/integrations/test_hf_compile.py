@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tracedac import policies
-from tracedac.compile.report import partitioned
+from tracedac.inspect.compiled import partitioned
 from tracedac.integrations import hf
 
 from ..support.hf_models import batch, build, needs_switch

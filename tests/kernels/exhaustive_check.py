@@ -26,8 +26,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "1"  # this process only: the kernel runs on CPU tensors
 
-    from tracedac.kernels import pack_cast
     from tracedac.kernels.bits import convert_bits, from_bits, nan_rule, to_bits
+    from tracedac.ops import pack_cast
 
     dtype = TARGETS[args.target]
     rule = nan_rule(torch.device("cpu"), torch.float32, dtype)

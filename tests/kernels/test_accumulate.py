@@ -5,8 +5,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracedac.kernels import accumulate_
 from tracedac.kernels.bits import from_bits, to_bits
+from tracedac.ops import accumulate_
 
 from .castcheck import ADVERSARIAL_F32, FLOATS, assert_same_bits, expected_accumulate, f32
 

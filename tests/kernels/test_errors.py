@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tracedac.kernels import accumulate_, pack_cast
 from tracedac.kernels import launch as launch_module
+from tracedac.ops import accumulate_, pack_cast
 
 
 def test_an_unknown_backend_is_refused_with_the_valid_names():

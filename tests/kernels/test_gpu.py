@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tracedac.kernels import accumulate_, pack_cast
 from tracedac.kernels.bits import from_bits, to_bits
+from tracedac.ops import accumulate_, pack_cast
 
 from .castcheck import (
     ADVERSARIAL_F32,
@@ -114,7 +114,7 @@ def test_a_repeated_launch_skips_tritons_runner_and_honours_a_launch_hook():
     hook registered meanwhile (a profiler's) sends the call through Triton's runner again."""
     from triton import knobs
 
-    from tracedac.kernels import cast as cast_module
+    from tracedac.ops import cast as cast_module
 
     cast_module._pack_calls.clear()
     gen = torch.Generator().manual_seed(3)

@@ -12,10 +12,10 @@ import types
 import pytest
 import torch
 
-from tracedac.kernels import accumulate_, pack_cast
-from tracedac.kernels import cast as cast_module
 from tracedac.kernels import launch as launch_module
 from tracedac.kernels.bits import to_bits
+from tracedac.ops import accumulate_, pack_cast
+from tracedac.ops import cast as cast_module
 
 from ..util import OpCounter
 from .castcheck import assert_same_bits, expected_accumulate, expected_pack

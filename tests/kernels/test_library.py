@@ -5,7 +5,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tracedac.kernels import accumulate_, pack_cast
+from tracedac.ops import accumulate_, pack_cast
 
 
 def ops_in(graph_module):

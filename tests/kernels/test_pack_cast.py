@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tracedac.kernels import launch as launch_module
-from tracedac.kernels import pack_cast
 from tracedac.kernels.bits import from_bits
 from tracedac.kernels.table import plan_for
+from tracedac.ops import pack_cast
 
 from .castcheck import (
     ADVERSARIAL_F32,

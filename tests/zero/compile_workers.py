@@ -101,11 +101,11 @@ def equal_to_eager(rank, world, cases, backend=BACKEND):
 
 
 class Graphs:
-    """``aot_eager_decomp_partition`` (``tracedac.compile.report.partition_backend``), keeping
+    """``aot_eager_decomp_partition`` (``tracedac.inspect.compiled.partition_backend``), keeping
     the forward and backward graphs of each compile."""
 
     def __init__(self):
-        from tracedac.compile.report import partition_backend
+        from tracedac.inspect.compiled import partition_backend
 
         self.backend, self._made = partition_backend()
 

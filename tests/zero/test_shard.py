@@ -365,7 +365,7 @@ def test_agreements_go_through_a_group_that_moves_cpu_tensors(world1, monkeypatc
     """Order checks and decisions run on the host: gloo (or a CPU backend beside NCCL) is
     used as it is; NCCL gets a gloo twin of the same ranks, made once and kept; another
     backend keeps its group and the caller's device."""
-    from tracedac import host_group as hg
+    from tracedac import agreements as hg
 
     group, cuda = dist.group.WORLD, torch.device("cuda", 3)  # no GPU here: the choice, not a move
     for backend in ("gloo", "cpu:gloo,cuda:nccl"):

@@ -393,7 +393,7 @@ def twin_checks(rank, world):
     reported as NCCL to ``host_group``): "auto" trains as with its checks on the group itself,
     every order check's rows go through the twin and none through the group, and ranks that
     diverge after a step still all raise. Returns those losses, routes and messages."""
-    from tracedac import host_group as hg
+    from tracedac import agreements as hg
 
     from .auto_workers import _train
 

@@ -33,7 +33,7 @@ names``; ``report -> fx_graph``. Only ``registry.install_traced`` imports ``inst
 a function, so that importing tracedac imports no inductor module.
 """
 
+from ..ops.marks import name_op
 from .entry import traced_region
-from .name_op import name_op
 
 __all__ = ["name_op", "traced_region"]

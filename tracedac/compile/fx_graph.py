@@ -17,7 +17,7 @@ import operator
 import torch
 
 from .._compat import optimization_hint
-from ..graph import Group, Node, RegionGraph, TensorMeta
+from ..record.graph import Group, Node, RegionGraph, TensorMeta
 from .names import module_path
 
 __all__ = ["RegionView", "build"]

@@ -32,18 +32,23 @@ from .vocab import SPECS
 __all__ = ["TagRegions", "install", "sources"]
 
 ROOT = os.path.dirname(os.path.abspath(__file__))  # tracedac/compile
-# beside compile/: what the passes decide with
+# beside compile/: every module of tracedac that compile/ imports, directly or not (the passes
+# decide with them; tests/test_compile_layout.py checks the list against the imports)
 DEPENDS = (
-    "decisions.py",
     "_compat.py",
-    "min_cut.py",
-    "planners.py",
-    "offload_plan.py",
-    "link.py",
-    "policies.py",
-    "collectives.py",
-    "graph.py",
-)  # what the passes import
+    "errors.py",
+    "offload/link.py",
+    "ops/marks.py",
+    "policies/held.py",
+    "policies/min_cut.py",
+    "policies/placement.py",
+    "policies/planners.py",
+    "policies/spec.py",
+    "record/decisions.py",
+    "record/graph.py",
+    "record/op_info.py",
+    "record/undeclared_writes.py",
+)
 
 
 def sources(root: str | None = None) -> list[str]:

@@ -20,7 +20,7 @@ _NAMED: dict[int, object] = {}  # every policy a compiled region named (``key_fo
 
 
 def describe(policy) -> str:
-    from ..policies import describe_policy
+    from ..policies.held import describe_policy
 
     text = describe_policy(policy)
     code = getattr(getattr(policy, "__call__", None), "__code__", None) or getattr(policy, "__code__", None)
@@ -37,7 +37,7 @@ def key_for(policy, name: str) -> str:
     torch 2.11 refuses any frozen dataclass (a policy), and 2.13 one made inside the compiled
     code (``save_matmuls()`` made there lost its field)."""
     if isinstance(policy, int):
-        from ..decisions import held
+        from ..policies.held import held
 
         live = held(policy)
         if live is None:

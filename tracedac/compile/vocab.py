@@ -5,8 +5,9 @@ joint-graph passes read and write there. A leaf: it imports nothing else of ``tr
   (``torch.fx.traceback.annotate``, ``entry.py``); ``region_key(n)`` reads it.
 - ``SPECS``: what such a value means, region key -> ``(policy, region name)`` (filled by
   ``registry.key_for``).
-- ``MARK``: ``tracedac::region(key)``, an op that does nothing: the region's key in the
-  graph's code (why: ``entry.py``). ``passes/tag_regions.py`` removes it.
+- ``MARK``: ``tracedac::region(key)`` (defined in ``tracedac/ops/marks.py``), an op that does
+  nothing: the region's key in the graph's code (why: ``entry.py``). ``passes/tag_regions.py``
+  removes it.
 - ``LABELS``, ``DECISION``: the ``node.meta`` keys ``passes/tag_regions.py`` writes (a
   node's ``tracedac.name`` labels; the region's decision, kept beside ``"recompute"``,
   which the partitioner may change). ``report.py`` reads them.
@@ -17,7 +18,8 @@ joint-graph passes read and write there. A leaf: it imports nothing else of ``tr
 from __future__ import annotations
 
 import torch
-from torch.fx.node import has_side_effect
+
+from ..ops.marks import MARK
 
 __all__ = ["ANNOTATION", "DECISION", "LABELS", "MARK", "SPECS", "backward_nodes", "region_key", "zero_op"]
 
@@ -27,20 +29,6 @@ DECISION = "tracedac_decision"  # ours, kept beside "recompute" (which the parti
 
 # key -> (policy, region name)
 SPECS: dict[str, tuple] = {}
-
-
-@torch.library.custom_op("tracedac::region", mutates_args=())
-def _mark(key: str) -> None:
-    """Does nothing: the region's key, written into the traced graph."""
-
-
-@_mark.register_fake
-def _(key):
-    return None
-
-
-MARK = torch.ops.tracedac.region.default
-has_side_effect(MARK)
 
 
 def region_key(n: torch.fx.Node) -> str | None:
@@ -62,7 +50,5 @@ def backward_nodes(graph: torch.fx.Graph) -> set:
 
 
 def zero_op(name: str):
-    """``torch.ops.tracedac.<name>.default``, or None while ``tracedac.zero`` was never imported
-    (its ops are registered then: no graph can hold one). For the ZeRO-3 graph passes."""
-    packet = getattr(getattr(torch.ops, "tracedac", None), name, None)
-    return None if packet is None else packet.default
+    """``torch.ops.tracedac.<name>.default`` (``tracedac/ops/zero.py``), for the ZeRO-3 graph passes."""
+    return getattr(torch.ops.tracedac, name).default

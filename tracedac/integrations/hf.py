@@ -39,22 +39,14 @@ import types
 
 from torch import nn
 
-from ..checkpoint import checkpoint_call
-from ..decisions import hold
+from ..checkpoint import checkpoint_call, overridden
 from ..errors import CheckpointError
-from ..naming import register_name, unregister_name
-from ..planners import MemoryBudget, MinCut
-from ..policies import (
-    Either,
-    check_policy,
-    either,
-    memory_budget,
-    min_cut,
-    offload_inputs,
-    offload_kept,
-    recompute_all,
-)
-from ..selective import is_noop_context_fn, read_context_fn
+from ..policies import either, memory_budget, min_cut, offload_inputs, offload_kept, recompute_all
+from ..policies.held import check_policy, hold
+from ..policies.per_op import Either
+from ..policies.planners import MemoryBudget, MinCut
+from ..policies.selective import is_noop_context_fn, read_context_fn
+from ..record.naming import register_name, unregister_name
 
 __all__ = ["disable", "enable"]
 
@@ -158,7 +150,9 @@ class _Checkpointing:
 
     def __call__(self, function, *args, **kwargs):
         """What each layer calls in place of ``torch.utils.checkpoint.checkpoint``."""
-        return checkpoint_call(function, *args, policy=self.policy, context_fn=self.context_fn, **kwargs)
+        spec = overridden(self)  # saved_report(model, policy=...): that policy, in this thread
+        policy = self.policy if spec is None else spec.policy
+        return checkpoint_call(function, *args, policy=policy, context_fn=self.context_fn, **kwargs)
 
     def __repr__(self) -> str:
         return f"tracedac.integrations.hf(policy={self.policy!r})"

@@ -1,11 +1,12 @@
-"""Fused cast kernels: fp32 shards into a low-precision buffer in one pass, and back.
+"""The fused casts' implementations: fp32 shards into a low-precision buffer in one pass, and back.
 
-``pack_cast`` packs any number of tensors into a flat buffer while converting them;
-``accumulate_`` adds a low-precision gradient into an fp32 one. Triton on CUDA, torch
-elsewhere; Triton is imported only when its backend first runs.
+One Triton kernel for any number of sources (``triton_kernels.py``, its segment table
+``table.py``, its launch ``launch.py``), a pure-torch reference beside it (``reference.py``),
+the float bit rules both follow (``bits.py``) and the argument checks (``checks.py``). The ops
+and their entry points, ``tracedac.ops.pack_cast`` and ``tracedac.ops.accumulate_``, are in
+``tracedac/ops/cast.py``. Triton is imported only when its backend first runs.
 """
 
-from .cast import accumulate_, pack_cast
 from .checks import BACKENDS, DTYPES
 
-__all__ = ["pack_cast", "accumulate_", "BACKENDS", "DTYPES"]
+__all__ = ["BACKENDS", "DTYPES"]

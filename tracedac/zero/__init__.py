@@ -6,9 +6,8 @@ what autograd saves on them is a handle that backward turns into a second gather
 docs/design.md, "ZeRO-3".
 """
 
-from . import ops as _ops  # noqa: F401 (registers the tracedac:: ops; through gathered.py, regions' handles)
+from ..errors import ZeroError
 from .checkpoint import load_checkpoint, save_checkpoint
-from .errors import ZeroError
 from .full import full_parameters
 from .grad import clip_grad_norm_
 from .module import ZeroModule

@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..decisions import LOW_DTYPES, cast_dtype
-from ..host_group import host_group
+from ..agreements import host_group
+from ..record.op_info import LOW_DTYPES, cast_dtype
 
 __all__ = ["Auto", "Observer"]
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .errors import ZeroError
+from ..errors import ZeroError
 from .module import sharded
 from .tp import checkpoint_group
 

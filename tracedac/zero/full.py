@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .errors import ZeroError
+from ..errors import ZeroError
 from .module import sharded
 from .state_dict import _full_parameters
 from .tp import local_value

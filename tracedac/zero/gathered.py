@@ -1,6 +1,6 @@
 """Gathered buffers and the handles autograd saves on them.
 
-A unit's forward registers each buffer it gathered (``Gathered``, in ``_LIVE`` until
+A unit's forward registers each buffer it gathered (``Gathered``, in ``group.LIVE`` until
 ``tracedac::release``); what autograd, or a checkpoint region, saves on one becomes a
 ``Handle``, which backward turns into a second gather.
 """
@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from ..op_info import storage_address as _address
+from ..ops import zero as _ops  # noqa: F401 (registers the tracedac:: ops this module names)
+from ..record.decisions import recompute_by_default
+from ..record.op_info import storage_address as _address
 from ..region import REBUILDERS
-from .group import FlatGroup
+from .group import LIVE, FlatGroup
 
 __all__ = ["Gathered", "Handle", "handle_for"]
 
-_LIVE: dict = {}  # storage address -> Gathered, for buffers gathered by a forward pre-hook
+recompute_by_default(
+    torch.ops.tracedac.all_gather.default,
+    "keeping a gathered parameter pins the full unit after forward; ZeRO-3 gathers it again",
+)
 
 
 class Gathered:
@@ -37,7 +42,7 @@ class Gathered:
         self.remaining = 0  # of those, how many this round has not unpacked yet
         self.round = 0
         self.cached = None  # the buffer gathered again in backward
-        _LIVE[_address(full)] = self
+        LIVE[_address(full)] = self
 
     def handle(self, t: torch.Tensor) -> Handle:
         self.alive += 1
@@ -88,7 +93,7 @@ class Handle:
 
 def handle_for(t: torch.Tensor) -> Handle | None:
     """A handle if ``t`` lives on a buffer gathered by a forward still running, else None."""
-    entry = _LIVE.get(_address(t))
+    entry = LIVE.get(_address(t))
     if entry is None or t.dtype != entry.dtype:
         return None
     return entry.handle(t)
@@ -98,7 +103,7 @@ class _GatheredOwner:
     """Lets a checkpoint region that reads a gathered parameter from outside hold a Handle."""
 
     def owns(self, t: torch.Tensor) -> bool:
-        entry = _LIVE.get(_address(t))
+        entry = LIVE.get(_address(t))
         return entry is not None and t.dtype == entry.dtype
 
     def handle(self, t: torch.Tensor) -> Handle | None:

@@ -1,8 +1,9 @@
 """A unit's flat groups and their collectives: ``FlatGroup`` owns one group of parameters'
 flat fp32 shard buffer, its process group, dtypes and layout, and runs the all-gathers and
-reduce-scatters the ops in ``ops.py`` ask for (each op names its group by a string key,
-``group_of``), with an order check before each so that ranks never pair different
-collectives.
+reduce-scatters the ``tracedac::`` ops ask for (``tracedac/ops/zero.py``: each op names its
+group by a string key, under which the group registers itself), with an order check before
+each so that ranks never pair different collectives; and the buffers gathered by a forward
+still running (``LIVE``), until ``tracedac::release``.
 """
 
 from __future__ import annotations
@@ -14,23 +15,26 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..host_group import host_group
-from ..kernels import accumulate_, pack_cast
-from .errors import ZeroError
+from ..agreements import host_group
+from ..errors import ZeroError
+from ..ops import accumulate_, pack_cast
+from ..ops.zero import GROUPS
+from ..record.op_info import storage_address
 from .inflight import Joint, Pending
 from .layout import dtensor, parameter, to_param_major, to_rank_major
 
-__all__ = ["FlatGroup", "group_of"]
+__all__ = ["LIVE", "FlatGroup"]
 
 # torch 2.13 names the tensor collectives *_single and deprecates *_into_tensor / *_tensor.
 # gloo implements both on CPU (bf16 included).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> FlatGroup
 _KEYS = itertools.count()
 _WHAT = {"all-gather": 0, "reduce-scatter": 1, "adjoint all-gather": 2}
 _WHAT_NAMES = {v: k for k, v in _WHAT.items()}
+# storage address -> ``gathered.Gathered``: buffers gathered by a forward pre-hook, until released
+LIVE: dict = {}
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -60,17 +64,6 @@ def _in_backward() -> bool:
     return _graph_task() != -1
 
 
-def group_of(key: str) -> FlatGroup:
-    group = _GROUPS.get(key)
-    if group is None:
-        raise ZeroError(
-            f"sharded parameter group {key} no longer exists (its model was garbage collected); "
-            "a graph recorded on that model cannot be replayed. Keep the model alive until "
-            "backward has run."
-        )
-    return group
-
-
 class FlatGroup:
     """One flat group of a unit: parameters of one travel dtype and one ``requires_grad``.
 
@@ -84,7 +77,7 @@ class FlatGroup:
 
     def __init__(self, name, slices, shard_numel, requires_grad, dtype, reduce_dtype, group, timeout, state):
         self.key = f"tracedac_zero_{next(_KEYS)}"  # a str: stays a constant when a compiler traces the op
-        _GROUPS[self.key] = self
+        GROUPS[self.key] = self
         self.name = name  # "unit 'layers.0' (trainable bfloat16 parameters)", for messages
         self.crc = zlib.crc32(name.encode())  # the same on every rank: names the group in order checks
         self.slices = slices
@@ -203,7 +196,7 @@ class FlatGroup:
                 "nothing was exchanged."
             )
         theirs = next(
-            (g.name for g in list(_GROUPS.values()) if g.crc == crc), "a group this rank does not know"
+            (g.name for g in list(GROUPS.values()) if g.crc == crc), "a group this rank does not know"
         )
         raise ZeroError(
             f"rank {self.rank} is at the {what} of {self.name}{more} but rank {r} is at the "
@@ -340,7 +333,23 @@ class FlatGroup:
         )
         return to_param_major(out.div_(self.world), self.slices, self.world)
 
+    def release(self, full: torch.Tensor) -> None:
+        """``tracedac::release``: forget the unit's reference to a buffer it gathered in forward,
+        so its storage goes with its last view."""
+        entry = LIVE.pop(storage_address(full), None)
+        if entry is not None:
+            entry.full = None
+
     # -- gradients --
+    def reduce_grad(self, grad: torch.Tensor) -> None:
+        """``tracedac::reduce_grad``, a gather's backward: reduce-scatter ``grad`` and add this
+        rank's part into the parameters' ``.grad`` (with the unit's other groups once the order is
+        learned: ``Prefetch.reduce``), or, while gradient sync is off, hold it unsharded."""
+        if not self.sync:
+            self.hold(grad)
+            return
+        self.state.reduce(self, grad)
+
     def hold(self, grad: torch.Tensor) -> None:
         """``set_requires_gradient_sync(False)``: add the full gradient here, reduce nothing."""
         if self.held is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import pack_cast
+from ..ops import pack_cast
 
 __all__ = ["Joint", "Part", "Pending"]
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .errors import ZeroError
+from ..errors import ZeroError
 from .layout import spec_for
 from .tp import local_value
 

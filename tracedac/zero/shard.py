@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..errors import ZeroError
 from ..matching import module_matcher, no_match_error
 from .auto import Auto
-from .errors import ZeroError
 from .group import FlatGroup
 from .layout import make_slices, spec_for
 from .module import Sharded, _as_zero_module, _mesh, _Reattach

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import ZeroError
+from ..errors import ZeroError
 from .module import sharded
 from .tp import global_value, local_value
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .errors import ZeroError
+from ..errors import ZeroError
 
 __all__ = ["as_read", "checkpoint_group", "global_value", "local_value", "mesh_for", "spec", "wrap"]
 

@@ -22,9 +22,9 @@ from torch import nn
 
 from .._compat import class_forward, is_wrapper_subclass, put_back_parameter
 from ..compile.registry import install_traced
+from ..errors import ZeroError
+from ..record.subclasses import Constant, Flattened, is_subclass
 from ..region import current_region, tracing
-from ..subclasses import Constant, Flattened, is_subclass
-from .errors import ZeroError
 from .gathered import Gathered, Handle, handle_for
 from .group import FlatGroup
 from .layout import split_views

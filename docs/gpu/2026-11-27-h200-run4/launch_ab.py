@@ -11,9 +11,9 @@ sys.path.insert(0, os.getcwd())
 import torch
 
 from benchmarks import kernels as k
-from tracedac.kernels import cast as cast_module
 from tracedac.kernels import launch as launch_module
-from tracedac.kernels import pack_cast
+from tracedac.ops import cast as cast_module
+from tracedac.ops import pack_cast
 
 dev = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
 on_gpu = dev.type == "cuda"

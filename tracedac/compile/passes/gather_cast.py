@@ -35,7 +35,7 @@ import operator
 
 import torch
 
-from ...decisions import LOW_DTYPES, cast_dtype
+from ...record.op_info import LOW_DTYPES, cast_dtype
 from ..vocab import backward_nodes, zero_op
 
 __all__ = ["fuse_gather_casts"]

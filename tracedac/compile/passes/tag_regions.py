@@ -41,21 +41,20 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..._compat import mutated_inputs
-from ...decisions import (
+from ...errors import CheckpointError
+from ...policies.min_cut import min_cut_keep
+from ...policies.planners import MemoryBudget, closure, problem
+from ...policies.spec import spec_of
+from ...record.decisions import (
     MUST_RECOMPUTE,
     MUST_SAVE,
     PREFER_RECOMPUTE,
     PREFER_SAVE,
     effect,
-    inner_flag,
     is_offload,
     is_save,
-    replays_collectives,
     resolve,
 )
-from ...errors import CheckpointError
-from ...min_cut import min_cut_keep
-from ...planners import MemoryBudget, closure, planner_of, problem
 from ..fx_graph import build
 from ..vocab import DECISION, LABELS, MARK, SPECS, backward_nodes, region_key
 
@@ -152,18 +151,19 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
     """``node.decision`` for every node of the region's graph, as an eager region decides.
     ``later(n)``: whether fx node ``n`` belongs to a region after this one."""
     graph = view.graph
-    planner = planner_of(policy)
-    if replays_collectives(policy):
+    spec = spec_of(policy)
+    planner = spec.planner
+    if spec.replays_collectives:
         raise CheckpointError(
             f"region {graph.name!r} runs under torch.compile with {policy!r}: replaying collectives is "
             "eager only (a compiled region keeps every collective: torch's partitioner would recompute "
             "one with no check that every rank does the same). Compile it with the policy inside "
             "replay_collectives(...), or run the region eagerly."
         )
-    if inner_flag(policy, "offloads_inputs"):
+    if spec.offloads_inputs:
         _refuse_offload(graph.name, policy, None, "its inputs (offload_inputs)")
     for node in graph.nodes:
-        node.decision = resolve(policy, node)
+        node.decision = resolve(spec, node)
         if is_offload(node.decision):
             _refuse_offload(graph.name, policy, node)
     if planner is None:
@@ -216,9 +216,7 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
         p.reserved += sum(graph.groups[g].nbytes for g in boundary - p.kept_anyway)
         p.kept_anyway |= boundary
     keep = planner.choose(p)
-    if keep and getattr(
-        policy, "offloads_kept", False
-    ):  # offload_kept(planner): what it keeps leaves the device
+    if keep and spec.offloads_kept:  # offload_kept(planner): what it keeps leaves the device
         _refuse_offload(graph.name, policy, graph.groups[min(keep)].node)
     for g in graph.groups:
         node = g.creator
@@ -379,7 +377,7 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if marks:
             gm.recompile()
         return gm  # no region in this graph (the pass sees every joint graph once installed)
-    budgets = any(isinstance(planner_of(SPECS[key][0]), MemoryBudget) for key, _ in runs if key in SPECS)
+    budgets = any(isinstance(spec_of(SPECS[key][0]).planner, MemoryBudget) for key, _ in runs if key in SPECS)
     baseline = untagged_saved(gm) if budgets else None
     run_of = {n: i for i, (_, run) in enumerate(runs, start=1) for n in run}
     for ac_graph_id, (key, nodes) in enumerate(runs, start=1):

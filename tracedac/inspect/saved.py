@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .compile.report import compiled_target
-from .compile.report import report as compiled_report
-from .decisions import PREFER_CPU_OFFLOAD, PREFER_SAVE, effect
-from .errors import CheckpointError
-from .graph import RegionGraph
-from .planners import planner_of
-from .policies import check_policy, describe_policy, recompute_all
-from .region import Region, reporting, run_region
-from .replay_plan import plan
+from ..checkpoint import overriding
+from ..errors import CheckpointError
+from ..policies import recompute_all
+from ..policies.held import describe_policy
+from ..policies.planners import planner_of
+from ..policies.spec import spec_of
+from ..record.decisions import PREFER_CPU_OFFLOAD, PREFER_SAVE, effect
+from ..record.graph import RegionGraph
+from ..region import Region, reporting, run_region
+from ..replay.plan import plan
+from .compiled import compiled_target
+from .compiled import report as compiled_report
 from .report import SavedReport, SavedRow
 
 __all__ = ["SavedReport", "SavedRow", "print_saved", "record", "saved_report"]
@@ -158,30 +161,26 @@ def record(fn, args, kwargs, policy) -> tuple[list[Region], object]:
     it is when no ``policy`` is given: its own regions are what it keeps, not one region
     around it that would recompute everything between them too.
     """
-    if policy is not None:
-        check_policy(policy)
-    spec = getattr(fn, "_tracedac", None)
+    asked = None if policy is None else spec_of(policy)
+    made = getattr(fn, "_tracedac", None)  # what checkpoint() or wrap() set up
     with reporting() as regions, torch.enable_grad():
-        if spec is None and policy is None and _holds_regions(fn):
+        if made is None and policy is None and _holds_regions(fn):
             out = fn(*args, **kwargs)
-        elif spec is not None and hasattr(spec, "fn"):  # a checkpointed function
-            out = run_region(spec.fn, args, kwargs, policy or spec.policy, spec.name)
-        elif spec is not None:  # a checkpointed module: run its hooks with the policy asked for
-            before = spec.policy
-            spec.policy = policy or before
-            try:
+        elif made is not None and hasattr(made, "fn"):  # a checkpointed function
+            out = run_region(made.fn, args, kwargs, asked or made.spec, made.name)
+        elif made is not None and asked is not None:  # a checkpointed module, under the policy asked for
+            with overriding(made, asked):
                 out = fn(*args, **kwargs)
-            finally:
-                spec.policy = before
+        elif made is not None:  # a checkpointed module (or an integration's state), as it is
+            out = fn(*args, **kwargs)
         else:
             module = fn if isinstance(fn, nn.Module) else None
             names = (
                 {id(m): n or type(fn).__name__ for n, m in fn.named_modules()} if module is not None else None
             )
             name = type(fn).__name__ if module is not None else getattr(fn, "__qualname__", repr(fn))
-            out = run_region(
-                fn, args, kwargs, policy or recompute_all(), name, module=module, module_names=names
-            )
+            spec = asked or spec_of(recompute_all())
+            out = run_region(fn, args, kwargs, spec, name, module=module, module_names=names)
     return regions, out
 
 

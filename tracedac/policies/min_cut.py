@@ -3,8 +3,9 @@ replayed (``min_cut()``'s choice), as a maximum flow over the region's value gra
 
 from __future__ import annotations
 
-from .decisions import MATMUL_OPS, MUST_RECOMPUTE, MUST_SAVE, is_offload
-from .graph import RegionGraph
+from ..record.decisions import MUST_RECOMPUTE, MUST_SAVE, is_offload
+from ..record.graph import RegionGraph
+from ..record.op_info import MATMUL_OPS
 
 __all__ = ["min_cut_keep"]
 

@@ -34,9 +34,9 @@ from functools import partial
 
 import torch
 
-from .checks import check_accumulate, check_no_overlap, check_pack_cast, resolve_backend
-from .launch import Launch, prepare
-from .reference import accumulate_torch, pack_cast_torch
+from ..kernels.checks import check_accumulate, check_no_overlap, check_pack_cast, resolve_backend
+from ..kernels.launch import Launch, prepare
+from ..kernels.reference import accumulate_torch, pack_cast_torch
 
 __all__ = ["pack_cast", "accumulate_"]
 

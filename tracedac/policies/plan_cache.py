@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .decisions import (
+from ..record.decisions import (
     MUST_RECOMPUTE,
     MUST_SAVE,
     PREFER_CPU_OFFLOAD,
@@ -25,7 +25,7 @@ from .decisions import (
     PREFER_SAVE,
     is_offload,
 )
-from .graph import Node
+from ..record.graph import Node
 from .planners import Planner, must_decisions, problem, region_values
 
 __all__ = ["PlanCache", "Planning", "computation", "input_signature", "plan_key", "plans", "signature"]

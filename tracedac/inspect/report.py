@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .graph import human_bytes
+from ..record.graph import human_bytes
 
 __all__ = ["SavedReport", "SavedRow"]
 

@@ -1,10 +1,10 @@
-"""Decisions and op lists: the leaf every policy, planner and graph pass imports.
+"""Decisions: what a region does with each recorded result, and the ops that force one.
 
-A decision is torch's own ``CheckpointPolicy`` (MUST/PREFER x SAVE/RECOMPUTE), so a node
-tagged by tracedac reads the same as one tagged by ``torch.utils.checkpoint``
+A decision is torch's own ``CheckpointPolicy`` (MUST/PREFER x SAVE/RECOMPUTE/CPU_OFFLOAD), so
+a node tagged by tracedac reads the same as one tagged by ``torch.utils.checkpoint``
 (``node.meta["recompute"]``). A policy sees a node through a small interface that the eager
-recorder's nodes (``tracedac.graph.Node``) and the nodes built from a compiled joint graph
-(``tracedac.compile.fx_graph``) both provide:
+recorder's nodes (``record.graph.Node``) and the nodes built from a compiled joint graph
+(``compile/fx_graph.py``) both provide:
 
 - ``op``: the aten (or custom) ``OpOverload``; ``name``: ``str(op)``; ``index``: its position
 - ``outputs``: one ``TensorMeta`` (``shape``, ``dtype``, ``nbytes``) or None per result
@@ -12,29 +12,25 @@ recorder's nodes (``tracedac.graph.Node``) and the nodes built from a compiled j
 - ``labels``: the ``tracedac.name`` labels of its result; ``module_path``: where it ran
 - ``is_random``: it draws from a generator; ``meta``: ``meta["recompute"]`` is its decision
 
-``resolve(policy, node)`` is the decision a region carries out: the policy's answer,
-checked, with the ops of ``RECOMPUTE_OPS`` forced to replay unless the policy must save them,
-and ops with an effect (``effect``: collectives) forced to be kept whatever it says.
-Nothing here imports the rest of tracedac but the leaf ``_compat``.
+Some ops force a decision whatever a policy says: ``RECOMPUTE_OPS`` are replayed unless it
+must save them (ZeRO-3's all-gather), and ops with an ``effect`` (collectives) are kept.
+``resolve(spec, node)`` is the decision a region carries out for ``node``, its policy's
+answer (``spec``: the policy's ``policies.spec.PolicySpec``) with those applied.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
+from torch._ops import OpOverload
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ._compat import op_effect
-from .errors import CheckpointError
+from .._compat import op_effect
+from ..errors import CheckpointError
 
 __all__ = [
     "COLLECTIVE_NAMESPACES",
     "EFFECT_REPLAYED",
     "FUNCTIONAL_NAMESPACES",
-    "LOW_DTYPES",
-    "MATMUL_OPS",
     "MUST_CPU_OFFLOAD",
     "MUST_RECOMPUTE",
     "MUST_SAVE",
@@ -42,14 +38,12 @@ __all__ = [
     "PREFER_RECOMPUTE",
     "PREFER_SAVE",
     "RECOMPUTE_OPS",
-    "cast_dtype",
     "decision",
     "effect",
     "is_offload",
     "is_save",
     "needs_wait",
     "recompute_by_default",
-    "replays_collectives",
     "resolve",
 ]
 
@@ -62,18 +56,6 @@ MUST_CPU_OFFLOAD = CheckpointPolicy.MUST_CPU_OFFLOAD
 PREFER_CPU_OFFLOAD = CheckpointPolicy.PREFER_CPU_OFFLOAD
 
 aten = torch.ops.aten
-
-# The ops `save_matmuls()` keeps and `min_cut()` does not replay, each with why it is worth its bytes.
-MATMUL_OPS: dict[OpOverloadPacket, str] = {
-    aten.mm: "a matmul replays O(n^3) FLOPs to rebuild O(n^2) bytes",
-    aten.addmm: "nn.Linear with a bias lowers to addmm: a matmul",
-    aten.bmm: "batched matmul (attention scores, MoE experts): a matmul per batch entry",
-    aten.baddbmm: "batched matmul with an added input: as bmm",
-    aten._scaled_dot_product_flash_attention: "attention (CUDA flash): quadratic in sequence length",
-    aten._scaled_dot_product_efficient_attention: "attention (memory-efficient kernel): as flash",
-    aten._scaled_dot_product_cudnn_attention: "attention (cuDNN kernel): as flash",
-    aten._scaled_dot_product_flash_attention_for_cpu: "attention (CPU flash kernel): as flash",
-}
 
 # Ops a region replays unless a policy returns MUST_SAVE for them: their node's decision
 # becomes MUST_RECOMPUTE whatever a PREFER policy (save_all(), a planner) said. id(op) ->
@@ -147,22 +129,6 @@ def needs_wait(op) -> bool:
     return known[1]
 
 
-def inner_flag(policy, name: str) -> bool:
-    """Whether ``policy``, or one it combines or wraps (``either``, ``offload_kept``, ...), is a
-    policy whose class sets the flag ``name`` (``replays_collectives``, ``reads_values``,
-    ``offloads_inputs``)."""
-    if getattr(policy, name, False) is True:
-        return True
-    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
-    return any(p is not None and p is not policy and inner_flag(p, name) for p in inner)
-
-
-def replays_collectives(policy) -> bool:
-    """Whether ``policy`` was wrapped in ``replay_collectives`` (collectives.py), alone or
-    inside another: then it decides functional collectives itself."""
-    return inner_flag(policy, "replays_collectives")
-
-
 def decision(policy, node) -> CheckpointPolicy:
     """``policy(node)``, checked: a CheckpointPolicy tracedac can carry out."""
     d = policy(node)
@@ -174,11 +140,12 @@ def decision(policy, node) -> CheckpointPolicy:
     return d
 
 
-def resolve(policy, node, constant=None) -> CheckpointPolicy:
-    """The decision a region carries out for ``node``: ``constant`` (a policy that never looks
-    at nodes) or the policy's checked answer, then ``RECOMPUTE_OPS`` unless MUST_SAVE, and
-    MUST_SAVE for an op with an ``effect``; a policy that must replay one is refused."""
-    d = constant or decision(policy, node)
+def resolve(spec, node) -> CheckpointPolicy:
+    """The decision a region carries out for ``node`` under ``spec`` (a ``PolicySpec``): its
+    constant decision, or its policy's checked answer, then ``RECOMPUTE_OPS`` unless MUST_SAVE,
+    and MUST_SAVE for an op with an ``effect``; a policy that must replay one is refused."""
+    policy = spec.policy
+    d = spec.constant or decision(policy, node)
     op = node.op
     if id(op) in RECOMPUTE_OPS:
         return d if d is MUST_SAVE else MUST_RECOMPUTE  # a ZeRO-3 gather: only MUST_SAVE keeps it
@@ -186,7 +153,7 @@ def resolve(policy, node, constant=None) -> CheckpointPolicy:
     why = known[1] if known is not None else effect(op)
     if why is None:
         return d
-    if op.namespace in FUNCTIONAL_NAMESPACES and replays_collectives(policy):
+    if op.namespace in FUNCTIONAL_NAMESPACES and spec.replays_collectives:
         return d  # replay_collectives(policy): asked for, and checked across ranks (collectives.py)
     if d is MUST_RECOMPUTE:
         raise CheckpointError(
@@ -206,78 +173,3 @@ def is_save(d: CheckpointPolicy) -> bool:
 
 def is_offload(d: CheckpointPolicy) -> bool:
     return d is MUST_CPU_OFFLOAD or d is PREFER_CPU_OFFLOAD
-
-
-# The dtypes autocast computes in below fp32: what a ZeRO-3 group may travel in instead.
-LOW_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def cast_dtype(op, args, kwargs) -> torch.dtype | None:
-    """The dtype ``op(*args, **kwargs)`` casts its one input to, if it is a plain cast
-    (autocast's ``_to_copy(t, dtype=...)``, or ``prims.convert_element_type`` after
-    decomposition); else None. Asked of dispatched ops (``zero/auto.py``'s observer) and of FX
-    nodes (``compile/passes/gather_cast.py``)."""
-    if op is torch.ops.prims.convert_element_type.default:
-        return args[1]
-    if op is torch.ops.aten._to_copy.default and len(args) == 1 and set(kwargs) <= {"dtype"}:
-        return kwargs.get("dtype")
-    return None
-
-
-# --- policies by id ------------------------------------------------------------------------
-
-# Every live policy object made or checked, by id: a compiled region names its policy by id
-# (dynamo hands the function that makes a region's key no policy object:
-# ``compile/registry.key_for``), and only while tracing a region that holds it. Weak, so a
-# policy made each step (``memory_budget(0.3)`` inside the loop) is not kept for the process;
-# an id whose policy died may name a new one, which registers itself anew.
-HELD: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_HELD_STRONG: dict[int, object] = {}  # the rare policy that takes no weak reference (__slots__)
-
-
-def hold(policy) -> None:
-    """Make ``policy`` findable by ``id`` while it lives (``HELD``). Not while dynamo traces
-    (it cannot trace a weak reference's creation): a policy passed into compiled code was
-    registered when it was made or first checked outside it."""
-    if torch.compiler.is_compiling():
-        return
-    try:
-        HELD[id(policy)] = policy
-    except TypeError:
-        _HELD_STRONG[id(policy)] = policy
-
-
-def held(key: int):
-    """The live policy whose id is ``key``, or None."""
-    policy = HELD.get(key)
-    return _HELD_STRONG.get(key) if policy is None else policy
-
-
-class Held:
-    """A policy class whose instances are held by id from birth (``HELD``): made, copied
-    (``copy.deepcopy`` of a checkpointed model) or unpickled."""
-
-    def __post_init__(self) -> None:
-        hold(self)
-
-    def __setstate__(self, state) -> None:
-        self.__dict__.update(state)  # (a frozen dataclass's fields: no __setattr__)
-        hold(self)
-
-
-def check_policy(policy) -> None:
-    """Raise if ``policy`` cannot be a policy; nothing else (``hold`` registers one)."""
-    if not callable(policy):
-        raise TypeError(
-            f"a policy is a callable taking a recorded node and returning a "
-            f"torch.utils.checkpoint.CheckpointPolicy (e.g. tracedac.policies.save_matmuls()), "
-            f"got {policy!r} of type {type(policy).__name__}"
-        )
-
-
-def describe_policy(policy) -> str:
-    """How a person wrote the policy: ``save_matmuls()`` (tracedac's policies print as the call
-    that made them), or a function's name."""
-    if isinstance(policy, Held):
-        return repr(policy)
-    return getattr(policy, "__qualname__", None) or repr(policy)

@@ -54,11 +54,12 @@ from torch.utils import checkpoint as _torch_checkpoint
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-from ._compat import selective_checkpoint_policy
-from .decisions import MUST_SAVE, PREFER_RECOMPUTE, Held
-from .errors import CheckpointError
-from .graph import Layout, TensorMeta
-from .trace import deciding
+from .._compat import selective_checkpoint_policy
+from ..errors import CheckpointError
+from ..record.decisions import MUST_SAVE, PREFER_RECOMPUTE
+from ..record.graph import Layout, TensorMeta
+from ..record.tracer import deciding
+from .held import Held
 
 __all__ = [
     "COMPILED_FOREIGN",
@@ -218,8 +219,8 @@ def policy_for_context_fn(context_fn, where: str = "checkpoint_call"):
 def _converted(context_fn, where: str) -> int:
     """The id of the policy for ``context_fn``, kept in ``_COMPILED`` and findable by id
     (``decisions.HELD``). Dynamo calls it at trace time and takes the result as a constant."""
-    from ._compat import trace_time_error
-    from .decisions import HELD
+    from .._compat import trace_time_error
+    from .held import HELD
 
     try:
         policy, contexts = read_context_fn(context_fn, where)
@@ -244,7 +245,7 @@ def torch_selective(policy_fn_or_list):
     """The tracedac policy for what torch's ``create_selective_checkpoint_contexts`` takes: a
     list of ops (-> ``save_ops(*ops)``, or ``recompute_all()`` if empty) or a policy function
     ``policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy | bool`` (-> ``TorchSelective``)."""
-    from .policies import recompute_all, save_ops  # (policies imports planners: kept lazy)
+    from . import recompute_all, save_ops  # (policies imports planners: kept lazy)
 
     if isinstance(policy_fn_or_list, (list, tuple)):
         ops = [op for op in policy_fn_or_list if isinstance(op, torch._ops.OpOverload)]

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .decisions import is_save, resolve
-from .graph import human_bytes
-from .inspect import record
-from .planners import MemoryBudget, Planner, closure, problem, region_values
-from .policies import OffloadKept, either, memory_budget, recompute_all, save_all, save_matmuls
+from ..policies import either, memory_budget, recompute_all, save_all, save_matmuls
+from ..policies.planners import MemoryBudget, Planner, closure, problem, region_values
+from ..policies.spec import spec_of
+from ..policies.wrappers import OffloadKept
+from ..record.decisions import is_save, resolve
+from ..record.graph import human_bytes
+from .saved import record
 
 __all__ = ["TradeOff", "TradeOffRow", "trade_off"]
 
@@ -148,7 +150,8 @@ class _Region:
 
     def kept_by(self, policy) -> tuple[set, set]:
         """What a per-op policy keeps: the storages whose last writer it decides to save."""
-        kept = {g.id for g in self.graph.groups if g.creator is not None and is_save(resolve(policy, g.node))}
+        spec = spec_of(policy)
+        kept = {g.id for g in self.graph.groups if g.creator is not None and is_save(resolve(spec, g.node))}
         return kept, frozenset()
 
 

@@ -1,15 +1,21 @@
-"""What an aten op does to its arguments, read once from its schema and tags: which it
-writes, whether it is a pure view, draws random numbers, or reads only a layout. The
-recorder (``trace.py``) asks for every op it sees; the answer is cached by op.
+"""What an aten op does, as tracedac needs to know it.
+
+- ``op_info(op)``: what it does to its arguments, read once from its schema and tags: which it
+  writes, whether it is a pure view, draws random numbers, or reads only a layout. The
+  recorder (``tracer.py``) asks for every op it sees; the answer is cached by op.
+- ``MATMUL_OPS``: the ops worth their bytes (``save_matmuls()`` keeps them, ``min_cut()`` does
+  not replay them), each with why.
+- ``LOW_DTYPES``, ``cast_dtype``: what an autocast cast computes in (ZeRO-3's travel dtypes).
 """
 
 from __future__ import annotations
 
 import torch
+from torch._ops import OpOverloadPacket
 
-from .writes import hidden_writes
+from .undeclared_writes import hidden_writes
 
-__all__ = ["op_info", "storage_address"]
+__all__ = ["LOW_DTYPES", "MATMUL_OPS", "cast_dtype", "op_info", "storage_address"]
 
 # The StorageImpl's address, without making (and so having torch keep) a Python storage object.
 storage_address = getattr(torch._C, "_storage_address", None) or (lambda t: t.untyped_storage()._cdata)
@@ -117,3 +123,32 @@ def op_info(func) -> _OpInfo:
         )
     _INFO[id(func)] = (func, info)  # by id: OpOverload.__hash__ is a Python method; func pins the id
     return info
+
+
+# The ops `save_matmuls()` keeps and `min_cut()` does not replay, each with why it is worth its bytes.
+MATMUL_OPS: dict[OpOverloadPacket, str] = {
+    _aten.mm: "a matmul replays O(n^3) FLOPs to rebuild O(n^2) bytes",
+    _aten.addmm: "nn.Linear with a bias lowers to addmm: a matmul",
+    _aten.bmm: "batched matmul (attention scores, MoE experts): a matmul per batch entry",
+    _aten.baddbmm: "batched matmul with an added input: as bmm",
+    _aten._scaled_dot_product_flash_attention: "attention (CUDA flash): quadratic in sequence length",
+    _aten._scaled_dot_product_efficient_attention: "attention (memory-efficient kernel): as flash",
+    _aten._scaled_dot_product_cudnn_attention: "attention (cuDNN kernel): as flash",
+    _aten._scaled_dot_product_flash_attention_for_cpu: "attention (CPU flash kernel): as flash",
+}
+
+
+# The dtypes autocast computes in below fp32: what a ZeRO-3 group may travel in instead.
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def cast_dtype(op, args, kwargs) -> torch.dtype | None:
+    """The dtype ``op(*args, **kwargs)`` casts its one input to, if it is a plain cast
+    (autocast's ``_to_copy(t, dtype=...)``, or ``prims.convert_element_type`` after
+    decomposition); else None. Asked of dispatched ops (``zero/auto.py``'s observer) and of FX
+    nodes (``compile/passes/gather_cast.py``)."""
+    if op is torch.ops.prims.convert_element_type.default:
+        return args[1]
+    if op is torch.ops.aten._to_copy.default and len(args) == 1 and set(kwargs) <= {"dtype"}:
+        return kwargs.get("dtype")
+    return None

@@ -15,11 +15,11 @@ import re
 import torch
 
 from .._compat import graph_input_sources
-from ..policies import describe_policy
-from ..report import SavedReport, SavedRow
-from .fx_graph import _int, build
-from .names import input_name, module_path
-from .vocab import DECISION, LABELS, SPECS, region_key
+from ..compile.fx_graph import _int, build
+from ..compile.names import input_name, module_path
+from ..compile.vocab import DECISION, LABELS, SPECS, region_key
+from ..policies.held import describe_policy
+from .report import SavedReport, SavedRow
 
 __all__ = ["Partition", "compiled_target", "partition", "partition_backend", "report"]
 

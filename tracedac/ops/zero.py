@@ -1,4 +1,7 @@
-"""ZeRO-3's collectives as ``torch.library`` custom ops (the flat groups they move: ``group.py``).
+"""ZeRO-3's collectives as ``torch.library`` custom ops: their schemas, fakes, autograd and
+effects. What they run is the flat group's (``tracedac/zero/group.py``): each op names its
+group by a string key, and ``group_of(key)`` finds the group ``FlatGroup`` registered under it
+(``GROUPS``).
 
 - ``tracedac::all_gather(shard, flat, dtype=None) -> full``: cast this rank's fp32 buffer
   into the all-gather input (``pack_cast``, one fused pass), all-gather in the group's travel
@@ -12,8 +15,8 @@
 - ``tracedac::reduce_scatter(grad, flat) -> part``: this rank's part of the gradient summed
   over ranks, in the reduce dtype, divided by the world size (ranks average, as DDP and
   FSDP do). Backward: its adjoint, an all-gather divided by the world size.
-- ``tracedac::release(full, flat)``: the end of a gathered buffer's forward life: the unit
-  forgets the one reference it held, so the storage goes with the last view.
+- ``tracedac::release(full, flat)``: the end of a gathered buffer's forward life: the group
+  forgets the one reference its unit held, so the storage goes with the last view.
 - ``tracedac::reduce_grad(grad, flat)``: the gather's backward, an op so that a compiled
   backward runs it rather than tracing its Python state (held gradients, ``.grad``).
 - ``tracedac::all_gather_start(shard, flat, dtype=None)`` / ``all_gather_wait(started, flat)``:
@@ -26,21 +29,48 @@ them, in order (dead-code elimination would drop an op whose result nobody reads
 
 Ops take the group as a string key (a custom op cannot take a Python object; a string,
 unlike an int, stays a constant under dynamic shapes): the ``FlatGroup`` holds the process
-group, dtypes and layout. Being ops, they dispatch to
-tracedac's ``TracerMode`` as one node each, and to any other mode or tracer.
+group, dtypes and layout. Being ops, they dispatch to tracedac's ``TracerMode`` as one node
+each, and to any other mode or tracer. A region replays a gather rather than keeping it:
+``tracedac.zero`` registers that (``record.decisions.recompute_by_default``).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch._library.effects import EffectType
 
-from ..decisions import recompute_by_default
-from ..op_info import storage_address as _address
-from .gathered import _LIVE
-from .group import group_of
+from ..errors import ZeroError
 
-__all__ = ["all_gather", "all_gather_start", "all_gather_wait", "reduce_grad", "reduce_scatter", "release"]
+__all__ = [
+    "GROUPS",
+    "all_gather",
+    "all_gather_start",
+    "all_gather_wait",
+    "group_of",
+    "reduce_grad",
+    "reduce_scatter",
+    "release",
+]
+
+# key -> the flat group (``tracedac.zero.group.FlatGroup``) that registered itself under it.
+# A group provides: ``gather(shard, dtype)``, ``begin_gather(shard, dtype).out``,
+# ``end_gather(started)``, ``reduce_grad(grad)``, ``reduce_scatter(grad)``,
+# ``adjoint_all_gather(grad)``, ``release(full)``, and ``world``, ``shard_numel``, ``dtype``,
+# ``reduce_dtype`` for the fakes.
+GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def group_of(key: str):
+    group = GROUPS.get(key)
+    if group is None:
+        raise ZeroError(
+            f"sharded parameter group {key} no longer exists (its model was garbage collected); "
+            "a graph recorded on that model cannot be replayed. Keep the model alive until "
+            "backward has run."
+        )
+    return group
 
 
 # --- gather ---------------------------------------------------------------------------------
@@ -111,11 +141,7 @@ def reduce_grad(grad: torch.Tensor, flat: str) -> None:
     """The backward of a gather: reduce-scatter ``grad`` and add this rank's part into the
     parameters' ``.grad`` (or, while gradient sync is off, add it to the held full gradient).
     Registered effectful: it returns nothing, and a compiler must neither drop nor move it."""
-    group = group_of(flat)
-    if not group.sync:
-        group.hold(grad)
-        return
-    group.state.reduce(group, grad)
+    group_of(flat).reduce_grad(grad)
 
 
 @reduce_grad.register_fake
@@ -156,9 +182,7 @@ reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_reduce
 @torch.library.custom_op("tracedac::release", mutates_args=())
 def release(full: torch.Tensor, flat: str) -> None:
     """Forget the unit's reference to a gathered buffer: its storage goes with its last view."""
-    entry = _LIVE.pop(_address(full), None)
-    if entry is not None:
-        entry.full = None
+    group_of(flat).release(full)
 
 
 @release.register_fake
@@ -170,9 +194,3 @@ def _release_fake(full, flat):
 # would otherwise drop them (a release nobody reads; a backward whose result is .grad).
 for _op in (release, reduce_grad):
     _op.register_effect(EffectType.ORDERED)
-
-
-recompute_by_default(
-    torch.ops.tracedac.all_gather.default,
-    "keeping a gathered parameter pins the full unit after forward; ZeRO-3 gathers it again",
-)

@@ -13,9 +13,9 @@ tensor written after the region, a value forgotten) is an error naming what chan
 
 from __future__ import annotations
 
-from .decisions import EFFECT_REPLAYED, MUST_RECOMPUTE, PREFER_RECOMPUTE, effect
-from .errors import CheckpointError
-from .graph import Group, RegionGraph, human_bytes, walk
+from ..errors import CheckpointError
+from ..record.decisions import EFFECT_REPLAYED, MUST_RECOMPUTE, PREFER_RECOMPUTE, effect
+from ..record.graph import Group, RegionGraph, human_bytes, walk
 
 __all__ = ["Plan", "changed_error", "plan"]
 

@@ -28,12 +28,12 @@ import os
 
 import torch
 
-from . import replay_compiled as compiled
-from .decisions import needs_wait
-from .errors import CheckpointError
-from .graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs
-from .replay_plan import Plan, changed_error, plan
-from .trace import unrecorded
+from ..errors import CheckpointError
+from ..record.decisions import needs_wait
+from ..record.graph import Group, Layout, RegionGraph, TensorMeta, flatten_outputs
+from ..record.tracer import unrecorded
+from . import compiled as compiled
+from .plan import Plan, changed_error, plan
 
 __all__ = ["Slot", "fill_fresh_with_nan", "run_pass"]
 

@@ -31,12 +31,13 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .decisions import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, Held, effect, is_offload
-from .errors import CheckpointError
-from .graph import Node, RegionGraph, human_bytes, walk
-from .link import Link
+from ..errors import CheckpointError
+from ..offload.link import Link
+from ..record.decisions import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, effect, is_offload
+from ..record.graph import Node, RegionGraph, human_bytes, walk
+from .held import Held
 from .min_cut import min_cut_keep
-from .offload_plan import exchange, hide_bytes, placer
+from .placement import exchange, hide_bytes, placer
 
 __all__ = [
     "MemoryBudget",
@@ -441,6 +442,81 @@ class MinCut(Planner):
         args = ["replay_matmuls=True"] if self.replay_matmuls else []
         args += [] if self.offload is False else [f"offload={self.offload!r}"]
         return f"min_cut({', '.join(args)})"
+
+
+def memory_budget(budget, *, cost="flops", offload=False) -> MemoryBudget:
+    """Keep at most ``budget`` and replay as little as possible (an exact 0-1 knapsack).
+
+    ``budget`` is a float fraction in [0, 1] of the bytes the region would keep without
+    checkpointing (the tensors it computes that autograd saves; inputs are not counted: they
+    are alive anyway), or an int number of bytes. ``cost`` prices replaying a node:
+    ``"flops"`` (torch's FLOP formulas; ops without one by the bytes they move), ``"time"``
+    (each op's duration, measured while the region records), or a callable ``cost(node)``.
+
+    ``offload=True`` (or ``Link(bandwidth, flop_rate)``; figures left out are measured once per
+    device): each tensor is kept, offloaded to host memory or replayed, for the least estimated
+    step time within the budget. Replay costs its FLOPs / flop_rate; an offload costs its copy
+    out and back (bytes / bandwidth each way), less what the region's forward compute time
+    hides (copies overlap compute, each way up to that time); an offloaded tensor holds no
+    device bytes. ``Link(bandwidth=0)`` offloads nothing (the plan without offload).
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(
+            f"memory_budget() takes a fraction (float in [0, 1]) or a number of bytes (int), got {budget!r}"
+        )
+    if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
+        hint = ""
+        if budget > 1:
+            n = int(budget)  # bytes are whole: the int the user most likely meant, said once
+            hint = f" For {n} bytes, pass an int: memory_budget({n}); for a fraction, a float in [0, 1]."
+        raise ValueError(
+            f"memory_budget({budget!r}): a float budget is a fraction in [0, 1] of the bytes kept without "
+            f"checkpointing.{hint}"
+        )
+    if isinstance(budget, int) and budget < 0:
+        raise ValueError(f"memory_budget({budget}): a number of bytes cannot be negative")
+    if isinstance(budget, int) and budget == 1:
+        raise ValueError(
+            "memory_budget(1) is ambiguous: an int budget is bytes (1 byte), a float a fraction. Pass "
+            "1.0 to keep everything, or a number of bytes."
+        )
+    if not (cost in ("flops", "time") or callable(cost)):
+        raise ValueError(
+            f"memory_budget(cost={cost!r}): cost is 'flops', 'time' or a callable cost(node) -> number"
+        )
+    offload = _offload("memory_budget", offload)
+    if offload is not False and callable(cost):
+        raise ValueError(
+            f"memory_budget(cost={cost!r}, offload={offload!r}): a callable cost has no unit of time, and "
+            "offload weighs a replay against a copy's time. Use cost='flops' (priced at the device's "
+            "FLOP rate) or cost='time' (recorded durations) with offload."
+        )
+    return MemoryBudget(budget, cost, offload)
+
+
+def min_cut(*, replay_matmuls: bool = False, offload=False) -> MinCut:
+    """Keep the fewest bytes from which everything backward needs can be replayed (a minimum
+    cut of the recorded graph, bytes as capacities). Matmuls and attention are not replayed
+    unless ``replay_matmuls=True``: then nothing computed need be kept at all.
+
+    ``offload=True`` (or a ``Link``, as for ``memory_budget``): of what the cut keeps, as many
+    bytes as the link moves out and back within the region's forward compute time go to host
+    memory instead (copies the compute hides: no added estimated step time)."""
+    if not isinstance(replay_matmuls, bool):
+        raise TypeError(f"min_cut(replay_matmuls=...) takes a bool, got {replay_matmuls!r}")
+    return MinCut(replay_matmuls, _offload("min_cut", offload))
+
+
+def _offload(factory: str, offload):
+    """``offload`` checked: False, True (the link measured), or a ``Link``; ``Link()`` is True."""
+    if isinstance(offload, Link):
+        return True if offload == Link() else offload
+    if not isinstance(offload, bool):
+        raise TypeError(
+            f"{factory}(offload={offload!r}): offload is True (the link and FLOP rate measured on the "
+            f"device), False, or tracedac.policies.Link(bandwidth=..., flop_rate=...) with the figures."
+        )
+    return offload
 
 
 def planner_of(policy):

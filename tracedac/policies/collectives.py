@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._compat import process_group_named
-from .decisions import FUNCTIONAL_NAMESPACES, effect
-from .errors import CheckpointError
-from .host_group import host_group
-from .trace import unrecorded
+from .._compat import process_group_named
+from ..agreements import host_group
+from ..errors import CheckpointError
+from ..record.decisions import FUNCTIONAL_NAMESPACES, effect
+from ..record.tracer import unrecorded
 from .wrappers import Wrapper
 
 __all__ = ["ReplayCollectives", "check_agreement", "replay_collectives", "replayable"]

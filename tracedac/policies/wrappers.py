@@ -1,7 +1,6 @@
 """Policies that wrap a whole policy: ``offload_kept`` (what it would keep goes to host memory
 instead), ``offload_inputs`` (the region's inputs autograd computed go too), and
-``collectives.replay_collectives``, all on one base (``Wrapper``). Made by the factories in
-``policies.py``; here so that each module stays about one thing."""
+``collectives.replay_collectives``, all on one base (``Wrapper``)."""
 
 from __future__ import annotations
 
@@ -9,18 +8,12 @@ from dataclasses import dataclass
 
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .decisions import (
-    MUST_CPU_OFFLOAD,
-    MUST_SAVE,
-    PREFER_CPU_OFFLOAD,
-    PREFER_SAVE,
-    Held,
-    decision,
-    describe_policy,
-)
+from ..record.decisions import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE, decision
+from .held import Held, check_policy, describe_policy
+from .per_op import recompute_all
 from .planners import planner_of
 
-__all__ = ["OffloadInputs", "OffloadKept", "Wrapper"]
+__all__ = ["OffloadInputs", "OffloadKept", "Wrapper", "offload_inputs", "offload_kept"]
 
 
 class Wrapper(Held):
@@ -82,3 +75,30 @@ class OffloadInputs(Wrapper):
 
     def __repr__(self) -> str:
         return f"offload_inputs({describe_policy(self.policy)})"
+
+
+def offload_kept(policy) -> OffloadKept:
+    """Offload to host memory what ``policy`` would keep on the device, e.g.
+    ``offload_kept(memory_budget(0.3))`` (what Hugging Face's ``offload=True`` maps to). Inputs
+    the region keeps as eager keeps them (arguments, parameters) stay where they are."""
+    check_policy(policy)
+    if isinstance(policy, OffloadKept):
+        return policy
+    return OffloadKept(policy)
+
+
+def offload_inputs(policy=None) -> OffloadInputs:
+    """Offload to host memory, at the region's end, the region's inputs autograd computed and
+    saved (a decoder layer's input: ``layers x tokens x hidden`` bytes, what dominates memory at
+    long sequence lengths under full recompute), as well as whatever ``policy`` offloads
+    (default ``recompute_all()``: replay everything else, as Hugging Face's ``offload=True``
+    does with torch's checkpoint and ``save_on_cpu``). Leaves stay (parameters, the program's own
+    inputs, constants: their owners hold them), and so does an input an enclosing region
+    computed (it replays it) or ``tracedac.zero`` gathered (gathered again); a tensor handed to
+    several regions is copied by each."""
+    if policy is None:
+        policy = recompute_all()
+    check_policy(policy)
+    if isinstance(policy, OffloadInputs):
+        return policy
+    return OffloadInputs(policy)

@@ -15,14 +15,14 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._compat import dynamo_off, dynamo_restore
-from .errors import CheckpointError
+from .._compat import dynamo_off, dynamo_restore
+from ..errors import CheckpointError
 from .graph import Group, Layout, Node, RegionGraph, TensorMeta, flatten_outputs
 from .location import current_module_path, user_source
 from .op_info import _INFO, op_info
 from .op_info import storage_address as _address
 from .subclasses import check_replayable, decline, has_subclass
-from .writes import writes_now
+from .undeclared_writes import writes_now
 
 __all__ = ["TracerMode", "deciding", "unrecorded"]
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ._compat import is_fake_type, is_wrapper_subclass
-from .errors import CheckpointError
+from .._compat import is_fake_type, is_wrapper_subclass
+from ..errors import CheckpointError
 
 __all__ = [
     "Constant",

@@ -60,8 +60,8 @@ import weakref
 
 import torch
 
-from .copy_stats import copied, tracked, waiting
-from .decisions import is_offload
+from ..record.decisions import is_offload
+from .stats import copied, tracked, waiting
 
 __all__ = ["HostCopy", "host_copy", "leave_device", "prefetch_regions", "settle", "tracked"]
 

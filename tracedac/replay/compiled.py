@@ -46,7 +46,7 @@ from collections import Counter
 
 import torch
 
-from .graph import Layout, TensorMeta
+from ..record.graph import Layout, TensorMeta
 
 __all__ = ["compiled_replay", "is_enabled", "stats"]
 

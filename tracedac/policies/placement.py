@@ -32,8 +32,8 @@ import math
 
 import torch
 
-from .graph import RegionGraph
-from .link import Link, resolve
+from ..offload.link import Link, resolve
+from ..record.graph import RegionGraph
 
 __all__ = [
     "MAX_HIDE_CELLS",

@@ -1,21 +1,19 @@
-"""Policies: which recorded results a region keeps for backward and which it replays.
+"""Per-op policies: for each recorded result, keep it, offload it to host memory, or replay it.
 
 A policy is any callable ``policy(node) -> CheckpointPolicy`` (torch's own enum, so a
 decision reads the same as in ``torch.utils.checkpoint``). The ones here are frozen,
 hashable dataclasses, so they compare by value, print as the call that made them, and can
-key a cache. A node is a ``tracedac.graph.Node``: ``op``, ``outputs`` (shape, dtype,
+key a cache. A node is a ``record.graph.Node``: ``op``, ``outputs`` (shape, dtype,
 nbytes), ``nbytes``, ``labels``, ``module_path``, ``flops``, ``is_random``.
 
 Decisions are made once per node when the region records it, never per tensor later. Only
-nodes that allocate or write a storage are asked: views cost nothing to rebuild. The two
-planners, ``memory_budget`` and ``min_cut``, decide for the region's whole graph instead
-(``tracedac.planners``); ``either`` combines one of them with per-op policies.
+nodes that allocate or write a storage are asked: views cost nothing to rebuild. The
+whole-graph planners (``planners.py``: ``memory_budget``, ``min_cut``) decide for the region's
+whole graph instead; ``either`` combines one of them with per-op policies.
 
 Besides keeping and replaying, a result may be offloaded (``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD``):
-copied to host memory in the forward, brought back in backward (``tracedac.offload``).
-``offload_ops`` and ``offload_names`` mirror ``save_ops`` and ``save_names``;
-``offload_kept(policy)`` offloads whatever ``policy`` (a planner too) would keep, and
-``offload_inputs(policy)`` also the region's inputs that autograd computed (a layer's input).
+copied to host memory in the forward, brought back in backward (``tracedac/offload/``).
+``offload_ops`` and ``offload_names`` mirror ``save_ops`` and ``save_names``.
 """
 
 from __future__ import annotations
@@ -25,45 +23,32 @@ from dataclasses import dataclass
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .collectives import ReplayCollectives, replay_collectives  # noqa: F401 (re-exported)
-from .decisions import (  # noqa: F401 (re-exported: callers found them here first)
-    MATMUL_OPS,
+from ..errors import CheckpointError
+from ..record.decisions import (
     MUST_CPU_OFFLOAD,
     MUST_RECOMPUTE,
     MUST_SAVE,
     PREFER_CPU_OFFLOAD,
     PREFER_RECOMPUTE,
     PREFER_SAVE,
-    RECOMPUTE_OPS,
-    Held,
-    check_policy,
     decision,
-    describe_policy,
-    is_save,
-    recompute_by_default,
 )
-from .errors import CheckpointError
-from .link import Link
-from .planners import MemoryBudget, MinCut, Planner
-from .wrappers import OffloadInputs, OffloadKept
+from ..record.op_info import MATMUL_OPS
+from .held import Held, check_policy
+from .planners import Planner
 
-# decision, is_save, RECOMPUTE_OPS and recompute_by_default live in .decisions (a leaf
-# module); they are re-exported here, where callers found them first.
 __all__ = [
-    "CheckpointPolicy",
-    "Link",
-    "MATMUL_OPS",
-    "RECOMPUTE_OPS",
+    "Either",
+    "OffloadNames",
+    "OffloadOps",
+    "RecomputeAll",
+    "SaveAll",
+    "SaveNames",
+    "SaveOps",
     "either",
-    "memory_budget",
-    "min_cut",
-    "offload_inputs",
-    "offload_kept",
     "offload_names",
     "offload_ops",
-    "recompute_by_default",
     "recompute_all",
-    "replay_collectives",
     "save_all",
     "save_matmuls",
     "save_names",
@@ -264,33 +249,6 @@ def offload_names(*labels: str) -> OffloadNames:
     return OffloadNames(_labels("offload_names", labels))
 
 
-def offload_kept(policy) -> OffloadKept:
-    """Offload to host memory what ``policy`` would keep on the device, e.g.
-    ``offload_kept(memory_budget(0.3))`` (what Hugging Face's ``offload=True`` maps to). Inputs
-    the region keeps as eager keeps them (arguments, parameters) stay where they are."""
-    check_policy(policy)
-    if isinstance(policy, OffloadKept):
-        return policy
-    return OffloadKept(policy)
-
-
-def offload_inputs(policy=None) -> OffloadInputs:
-    """Offload to host memory, at the region's end, the region's inputs autograd computed and
-    saved (a decoder layer's input: ``layers x tokens x hidden`` bytes, what dominates memory at
-    long sequence lengths under full recompute), as well as whatever ``policy`` offloads
-    (default ``recompute_all()``: replay everything else, as Hugging Face's ``offload=True``
-    does with torch's checkpoint and ``save_on_cpu``). Leaves stay (parameters, the program's own
-    inputs, constants: their owners hold them), and so does an input an enclosing region
-    computed (it replays it) or ``tracedac.zero`` gathered (gathered again); a tensor handed to
-    several regions is copied by each."""
-    if policy is None:
-        policy = recompute_all()
-    check_policy(policy)
-    if isinstance(policy, OffloadInputs):
-        return policy
-    return OffloadInputs(policy)
-
-
 def either(*policies) -> Either:
     """Keep what any of ``policies`` keeps, e.g. ``either(save_matmuls(), save_names('x'))``."""
     if not policies:
@@ -298,13 +256,13 @@ def either(*policies) -> Either:
     flat = []
     for p in policies:
         check_policy(p)
-        if isinstance(p, OffloadInputs):
+        if getattr(p, "offloads_inputs", False) is True:  # offload_inputs(...)
             raise ValueError(
                 f"either() got {p!r}: offload_inputs() moves the region's inputs, not an op's result, "
                 "and applies to the region's whole policy. Put either() inside instead: "
                 "offload_inputs(either(...))."
             )
-        if isinstance(p, OffloadKept) and p.planner is not None:
+        if getattr(p, "offloads_kept", False) is True and p.planner is not None:  # offload_kept(planner)
             raise ValueError(
                 f"either() got {p!r}: what a planner inside offload_kept() keeps is offloaded, and "
                 "either() would lose that. Put either() inside instead: offload_kept(either(...))."
@@ -317,78 +275,3 @@ def either(*policies) -> Either:
             "region is planned by one. Keep one planner and combine it with per-op policies."
         )
     return Either(tuple(flat))
-
-
-def memory_budget(budget, *, cost="flops", offload=False) -> MemoryBudget:
-    """Keep at most ``budget`` and replay as little as possible (an exact 0-1 knapsack).
-
-    ``budget`` is a float fraction in [0, 1] of the bytes the region would keep without
-    checkpointing (the tensors it computes that autograd saves; inputs are not counted: they
-    are alive anyway), or an int number of bytes. ``cost`` prices replaying a node:
-    ``"flops"`` (torch's FLOP formulas; ops without one by the bytes they move), ``"time"``
-    (each op's duration, measured while the region records), or a callable ``cost(node)``.
-
-    ``offload=True`` (or ``Link(bandwidth, flop_rate)``; figures left out are measured once per
-    device): each tensor is kept, offloaded to host memory or replayed, for the least estimated
-    step time within the budget. Replay costs its FLOPs / flop_rate; an offload costs its copy
-    out and back (bytes / bandwidth each way), less what the region's forward compute time
-    hides (copies overlap compute, each way up to that time); an offloaded tensor holds no
-    device bytes. ``Link(bandwidth=0)`` offloads nothing (the plan without offload).
-    """
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(
-            f"memory_budget() takes a fraction (float in [0, 1]) or a number of bytes (int), got {budget!r}"
-        )
-    if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
-        hint = ""
-        if budget > 1:
-            n = int(budget)  # bytes are whole: the int the user most likely meant, said once
-            hint = f" For {n} bytes, pass an int: memory_budget({n}); for a fraction, a float in [0, 1]."
-        raise ValueError(
-            f"memory_budget({budget!r}): a float budget is a fraction in [0, 1] of the bytes kept without "
-            f"checkpointing.{hint}"
-        )
-    if isinstance(budget, int) and budget < 0:
-        raise ValueError(f"memory_budget({budget}): a number of bytes cannot be negative")
-    if isinstance(budget, int) and budget == 1:
-        raise ValueError(
-            "memory_budget(1) is ambiguous: an int budget is bytes (1 byte), a float a fraction. Pass "
-            "1.0 to keep everything, or a number of bytes."
-        )
-    if not (cost in ("flops", "time") or callable(cost)):
-        raise ValueError(
-            f"memory_budget(cost={cost!r}): cost is 'flops', 'time' or a callable cost(node) -> number"
-        )
-    offload = _offload("memory_budget", offload)
-    if offload is not False and callable(cost):
-        raise ValueError(
-            f"memory_budget(cost={cost!r}, offload={offload!r}): a callable cost has no unit of time, and "
-            "offload weighs a replay against a copy's time. Use cost='flops' (priced at the device's "
-            "FLOP rate) or cost='time' (recorded durations) with offload."
-        )
-    return MemoryBudget(budget, cost, offload)
-
-
-def min_cut(*, replay_matmuls: bool = False, offload=False) -> MinCut:
-    """Keep the fewest bytes from which everything backward needs can be replayed (a minimum
-    cut of the recorded graph, bytes as capacities). Matmuls and attention are not replayed
-    unless ``replay_matmuls=True``: then nothing computed need be kept at all.
-
-    ``offload=True`` (or a ``Link``, as for ``memory_budget``): of what the cut keeps, as many
-    bytes as the link moves out and back within the region's forward compute time go to host
-    memory instead (copies the compute hides: no added estimated step time)."""
-    if not isinstance(replay_matmuls, bool):
-        raise TypeError(f"min_cut(replay_matmuls=...) takes a bool, got {replay_matmuls!r}")
-    return MinCut(replay_matmuls, _offload("min_cut", offload))
-
-
-def _offload(factory: str, offload):
-    """``offload`` checked: False, True (the link measured), or a ``Link``; ``Link()`` is True."""
-    if isinstance(offload, Link):
-        return True if offload == Link() else offload
-    if not isinstance(offload, bool):
-        raise TypeError(
-            f"{factory}(offload={offload!r}): offload is True (the link and FLOP rate measured on the "
-            f"device), False, or tracedac.policies.Link(bandwidth=..., flop_rate=...) with the figures."
-        )
-    return offload

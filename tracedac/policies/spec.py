@@ -1,0 +1,75 @@
+"""A policy's contract with the regions it runs: ``PolicySpec``, worked out once by ``spec_of``.
+
+A policy is a callable ``policy(node) -> CheckpointPolicy``. What else a region must know of
+it is read here, once, where the policy is checked (``checkpoint``, ``wrap``,
+``checkpoint_call``, ``hf.enable``, a compiled region's pass), into a frozen description the
+region receives; nothing probes the policy later. tracedac's own policy classes declare their
+abilities as class attributes, and a flag of a policy they combine or wrap counts too
+(``either(...)``, ``offload_kept(...)``):
+
+- ``constant``: the decision for every node (``recompute_all()``): a region need not ask.
+- ``planner``: the whole-graph planner inside (``either(save_names("x"), memory_budget(b))``).
+- ``offloads_kept``: what it keeps goes to host memory instead (``offload_kept``).
+- ``offloads_inputs``: the region's computed inputs leave the device at its end (``offload_inputs``).
+- ``reads_values``: asked with the op's real tensors (torch's selective checkpointing).
+- ``replays_collectives``: it decides functional collectives itself (``replay_collectives``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .held import check_policy, hold
+from .planners import planner_of
+
+__all__ = ["PolicySpec", "spec_of"]
+
+
+def _flag(policy, name: str) -> bool:
+    """Whether ``policy``, or one it combines or wraps, is of a class that sets ``name``."""
+    if getattr(policy, name, False) is True:
+        return True
+    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
+    return any(p is not None and p is not policy and _flag(p, name) for p in inner)
+
+
+@dataclass(frozen=True, eq=False)
+class PolicySpec:
+    """What a region needs of its policy, read once (``spec_of``)."""
+
+    policy: object
+    constant: CheckpointPolicy | None  # the decision for every node, for a policy that never looks
+    planner: object | None  # the whole-graph planner inside, or None
+    offloads_kept: bool  # what it keeps goes to host memory
+    offloads_inputs: bool  # the region's computed inputs go to host memory at its end
+    reads_values: bool  # asked with the op's real tensors while it records
+    replays_collectives: bool  # decides functional collectives itself (checked across ranks)
+
+    @property
+    def timing(self) -> bool:
+        """Whether the planner prices replay by recorded durations (the region times its ops)."""
+        return getattr(self.planner, "cost", None) == "time"
+
+    @property
+    def may_offload(self) -> bool:
+        """Whether anything may go to host memory (the region settles host copies at its end)."""
+        planner_offloads = self.planner is not None and getattr(self.planner, "offload", False) is not False
+        return self.offloads_kept or self.offloads_inputs or planner_offloads
+
+
+def spec_of(policy) -> PolicySpec:
+    """``policy`` checked (a TypeError says what to pass instead), held by id while it lives
+    (``held.hold``: a compiled region names it so), and described."""
+    check_policy(policy)
+    hold(policy)
+    return PolicySpec(
+        policy=policy,
+        constant=getattr(policy, "constant", None),
+        planner=planner_of(policy),
+        offloads_kept=getattr(policy, "offloads_kept", False) is True,
+        offloads_inputs=_flag(policy, "offloads_inputs"),
+        reads_values=_flag(policy, "reads_values"),
+        replays_collectives=_flag(policy, "replays_collectives"),
+    )

@@ -1,0 +1,2 @@
+"""Rebuilding what backward needs from a region's graph: the plan (from which live tensors,
+through which nodes), the pass that runs it, and a repeated pass as one compiled function."""
