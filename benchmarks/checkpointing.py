@@ -56,6 +56,7 @@ from .child import (
     clear_grads,
     mib,
     run_child,
+    sanity,
     seeded_step,
     table,
     target,
@@ -328,6 +329,24 @@ def _targets(rows: list[dict], tracing: dict) -> list[dict]:
     ]
 
 
+def _sanity(rows: list[dict], tracing: dict) -> list[dict]:
+    """Figures no quiet run gives: what does more work than its baseline, measured faster."""
+    by = {r["key"]: r for r in rows}
+
+    def step(key):
+        return by.get(key, {}).get("step_s")
+
+    return [
+        sanity("torch.utils.checkpoint step / no checkpoint", step("torch"), step("none")),
+        sanity("torch selective step / no checkpoint", step("torch_sac"), step("none")),
+        sanity(
+            "an empty dispatch mode's forward / plain",
+            tracing.get("empty_mode_forward_s"),
+            tracing.get("plain_forward_s"),
+        ),
+    ]
+
+
 def check_settings(cfg: Config, steps: int, device: str) -> tuple[Config, torch.device]:
     """The tracing section's config and the device, or a ValueError/ProbeUnavailable saying
     what cannot run, before any work is done."""
@@ -399,6 +418,7 @@ def run(
         "variants": rows,
         "tracing": tracing,
         "targets": _targets(rows, tracing),
+        "sanity": _sanity(rows, tracing),
         "wall_s": wall,
         # Other processes competing for the cores skew every timing; this says whether any did.
         "load_average_before": load,

@@ -28,6 +28,8 @@ __all__ = [
     "leave_ranks",
     "target",
     "target_lines",
+    "sanity",
+    "unreliable",
     "time_in_turns",
 ]
 
@@ -185,7 +187,44 @@ def conditions_line(result: dict) -> str:
     )
 
 
+# A run is judged only when the machine let it measure: the load before it below this many
+# runnable processes per CPU, and no figure that more work cannot give (a variant doing more
+# than its baseline measured faster by more than the noise below: ``sanity``).
+LOADED = 0.5
+NOISE = 0.95
+
+
+def sanity(name: str, more: float | None, less: float | None) -> dict:
+    """A check that ``more`` (seconds of a variant that does at least the work of ``less``'s)
+    is not below ``less`` beyond the noise: else this run's timings cannot be trusted."""
+    ratio = None if not more or not less else more / less
+    return {"name": name, "ratio": ratio, "ok": ratio is None or ratio >= NOISE}
+
+
+def unreliable(result: dict) -> list[str]:
+    """Why this run's timings cannot score its goals (empty: they can)."""
+    why = []
+    load, cpus = result.get("load_average_before"), result.get("cpus") or 1
+    if load is not None and load >= LOADED * cpus:
+        why.append(f"load average {load:.1f} on {cpus} CPUs before the run (other processes ran)")
+    for s in result.get("sanity", ()):
+        if not s["ok"]:
+            why.append(f"{s['name']}: {s['ratio']:.2f}x, below what more work can take ({NOISE:.2f}x)")
+    return why
+
+
 def target_lines(result: dict) -> list[str]:
     """The goals of a benchmark's result under their heading, one line each, and the run's
-    conditions."""
-    return [GOALS, *(goal_line(t) for t in result["targets"]), conditions_line(result)]
+    conditions. A run whose timings cannot be trusted (``unreliable``) prints its figures and
+    says why, instead of scoring them met or missed."""
+    why = unreliable(result)
+    if not why:
+        return [GOALS, *(goal_line(t) for t in result["targets"]), conditions_line(result)]
+    unscored = [{**t, "passed": None} for t in result["targets"]]
+    return [
+        "goals not scored: this run's timings are unreliable ("
+        + "; ".join(why)
+        + "). Run again on an idle machine; the figures:",
+        *(goal_line(t).replace("n/a   ", "unsure", 1) for t in unscored),
+        conditions_line(result),
+    ]

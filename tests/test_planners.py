@@ -6,6 +6,8 @@ import sys
 from unittest import mock
 
 import networkx as nx
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
+from tracedac.policies import Link
 from tracedac import CheckpointError, checkpoint, policies
 from tracedac.inspect.saved import record
 from tracedac.inspect.tradeoff import _Region
@@ -286,10 +289,17 @@ def test_planner_factories_refuse_bad_budgets_and_say_what_to_pass():
     with pytest.raises(ValueError, match=r"pass an int: memory_budget\(2000000\)"):
         policies.memory_budget(2e6)
     # the bytes it names and the call it suggests agree (it once said "For 4 bytes ... (3)")
-    with pytest.raises(ValueError, match=r"For 3 bytes, pass an int: memory_budget\(3\); for a fraction"):
+    with pytest.raises(ValueError, match=r"For 3 bytes, pass an int: memory_budget\(3\); to keep every"):
         policies.memory_budget(3.7)
     with pytest.raises(ValueError, match="ambiguous"):
         policies.memory_budget(1)
+    # Every call a message suggests is accepted (1.5 once suggested memory_budget(1), refused above).
+    for bad in (1.5, 1.0001, 2.5, 3.7, 2e6):
+        with pytest.raises(ValueError) as info:
+            policies.memory_budget(bad)
+        for call in re.findall(r"memory_budget\(([^)]*)\)", str(info.value)):
+            if call != repr(bad):
+                policies.memory_budget(eval(call))  # no error
     with pytest.raises(TypeError, match="fraction"):
         policies.memory_budget("half")
     with pytest.raises(ValueError, match="negative"):
@@ -417,6 +427,28 @@ def test_trade_off_plots_the_frontier_and_the_per_op_policies():
     assert ax.get_xlabel().startswith("bytes kept")
     assert {t.get_text() for t in ax.texts} == {"recompute_all()", "save_matmuls()", "save_all()"}
     assert len(ax.lines[0].get_xdata()) == len(rows)
+
+
+def test_the_trade_off_plot_shows_its_labels_whole_and_its_legend_over_no_point():
+    """Read off the drawn figure: the y-label was cut off at the figure's edge and the legend
+    covered a point of the frontier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = tracedac.trade_off(Block(), torch.randn(2, 8, 32, requires_grad=True), offload=Link(1e9, 1e12))
+    ax = rows.plot()
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    page = fig.bbox
+    for label in (ax.xaxis.label, ax.yaxis.label, ax.title):
+        box = label.get_window_extent(renderer)
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, label
+    legend = ax.get_legend().get_window_extent(renderer)
+    points = [line.get_xydata() for line in ax.lines] + [c.get_offsets() for c in ax.collections]
+    for xy in points:
+        for x, y in ax.transData.transform(xy):
+            assert not legend.contains(x, y), (x, y)
 
 
 def test_without_matplotlib_plot_says_what_to_install_and_the_table_still_prints(monkeypatch):

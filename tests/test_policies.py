@@ -185,3 +185,39 @@ def test_a_policy_made_every_step_is_not_kept_once_nothing_uses_it():
 
     in_plans = [p for p in kept if any(p is k[0] for k in plans.entries)]
     assert len(kept) == len(in_plans) <= 4 and len(plans.entries) <= plans.size, kept
+
+
+@pytest.mark.parametrize("factory", [policies.save_matmuls, policies.recompute_all, policies.memory_budget])
+def test_an_uncalled_policy_factory_is_refused_where_it_is_given_with_the_call_to_make(factory):
+    """``policy=policies.save_matmuls`` (the factory) once failed at the first forward with
+    "save_matmuls() takes 0 positional arguments but 1 was given"."""
+    block = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match=rf"policy={factory.__name__} is the factory.*{factory.__name__}\(\.\.\.\)"):
+        tracedac.checkpoint(block, policy=factory)
+    with pytest.raises(TypeError, match="is the factory"):
+        tracedac.wrap(torch.nn.Sequential(block), torch.nn.Linear, policy=factory)
+    with pytest.raises(TypeError, match="is the factory"):
+        tracedac.checkpoint_call(block, torch.ones(4), policy=factory)
+    assert not tracedac.is_checkpointed(block)
+
+
+def test_a_label_no_result_carries_is_warned_about_once_per_region_and_policy():
+    """``save_names("nope")`` with a label never set (or misspelt) kept nothing, silently."""
+    import warnings
+
+    def block(x):
+        h = tracedac.name(torch.sin(x), "attn_out")
+        return torch.cos(h).sum()
+
+    x = torch.randn(4, requires_grad=True)
+    typo = checkpoint(block, policy=policies.save_names("attn-out"))
+    with pytest.warns(UserWarning, match=r"none of its results carries the label 'attn-out'.*seen here: 'attn_out'"):
+        typo(x).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        typo(x).backward()  # once
+        checkpoint(block, policy=policies.save_names("attn_out"))(x).backward()  # a label that matches
+        inside = policies.offload_kept(policies.either(policies.save_names("attn_out"), policies.save_all()))
+        checkpoint(block, policy=inside)(x).backward()  # found inside wrappers and combinations
+    with pytest.warns(UserWarning, match="'never'"):
+        checkpoint(block, policy=policies.either(policies.save_names("attn_out", "never")))(x).backward()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 
 import torch
@@ -22,6 +23,7 @@ from .errors import CheckpointError
 from .offload.host import host_copy, leave_device, settle
 from .policies.collectives import check_agreement
 from .policies.plan_cache import Planning, computation, plan_key
+from .policies.held import describe_policy
 from .policies.spec import PolicySpec
 from .record.decisions import is_offload, is_save, resolve
 from .record.graph import RegionGraph
@@ -264,6 +266,8 @@ class Region:
     def _finish(self) -> None:
         """Plan replay for every handle, then let go of everything the plan does not use."""
         graph = self.graph
+        if self.spec.labels:
+            _warn_unmatched_labels(self.spec, graph)
         self.tracer.settle_packed()
         for g, t in self.raw_held.values():
             if g.held is t:
@@ -366,6 +370,29 @@ class Region:
             for i in range(len(nodes)):
                 if i not in needed:
                     nodes[i] = None  # a reachable group still holds its creator and writers
+
+
+_UNMATCHED: set = set()  # (policy, region name, labels) warned about
+
+
+def _warn_unmatched_labels(spec, graph) -> None:
+    """Warn, once per policy, region and labels, when no result the region recorded carries a
+    label its policy asks for (``save_names("attn_out")`` with a label never set, or misspelt,
+    keeps nothing and says nothing otherwise)."""
+    seen = frozenset().union(*(n.labels for n in graph.nodes if n is not None and n.labels))
+    missing = spec.labels - seen
+    key = (describe_policy(spec.policy), graph.name, missing)
+    if not missing or key in _UNMATCHED:
+        return
+    _UNMATCHED.add(key)
+    warnings.warn(
+        f"tracedac: region {graph.name!r} runs under {key[0]}, but none of its results carries the "
+        f"label{'s' if len(missing) > 1 else ''} {', '.join(repr(x) for x in sorted(missing))}: "
+        f"nothing is kept for {'them' if len(missing) > 1 else 'it'}. Label a tensor inside the region "
+        "with tracedac.name(tensor, label) (labels seen here: "
+        f"{', '.join(repr(x) for x in sorted(seen)) or 'none'}).",
+        stacklevel=3,
+    )
 
 
 class reporting:

@@ -77,7 +77,9 @@ class TradeOff(list):
             ) from e
 
         if ax is None:
-            _, ax = plt.subplots(figsize=(6, 4))
+            # constrained layout keeps the axis labels inside the figure (a plain 6x4 figure cut
+            # the y-label off on the left)
+            _, ax = plt.subplots(figsize=(7, 4), layout="constrained")
         mib = [r.bytes_kept / 2**20 for r in self]
         gflop = [r.replay_flops / 1e9 for r in self]
         ax.step(mib, gflop, where="post", marker="o", label="memory_budget")
@@ -101,7 +103,8 @@ class TradeOff(list):
         ax.set_xlabel("bytes kept after forward (MiB)")
         ax.set_ylabel("replay in backward (GFLOP)")
         ax.set_title("memory vs. replay")
-        ax.legend(loc="upper right")
+        # outside the axes, to the right: inside, it covered a point of the frontier
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
         return ax
 
 

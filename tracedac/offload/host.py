@@ -56,6 +56,7 @@ write raced with from ever being read.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 
 import torch
@@ -128,6 +129,23 @@ def _prefetch_before(batch: list) -> None:
                 c.prefetch()
 
 
+_WARNED_CPU: list = []
+
+
+def _warn_cpu() -> None:
+    """Once per process: an offload asked for on the CPU is done, and saves no memory."""
+    if _WARNED_CPU:
+        return
+    _WARNED_CPU.append(True)
+    warnings.warn(
+        "tracedac: a region offloads on the CPU, where host memory is the device's memory: the copy "
+        "holds the same bytes as the tensor it replaces, so it saves no memory (it runs as on a GPU, "
+        "which tests the offload path). Offload is for CUDA devices; on the CPU, replay saves memory "
+        "(recompute_all(), memory_budget(...)).",
+        stacklevel=3,
+    )
+
+
 def _in_place(device: torch.device) -> bool:
     """Whether a copy on ``device`` is read where it is: on the CPU, host and device are one."""
     return device.type == "cpu"
@@ -180,6 +198,7 @@ class HostCopy:
                     self.event.record(side)
                 src.record_stream(side)  # not reused before the copy has read it
             elif t.device.type == "cpu":
+                _warn_cpu()
                 host = src.clone()
             else:
                 host = src.to("cpu")

@@ -110,6 +110,10 @@ class SaveNames(Held):
 
     names: frozenset
 
+    @property
+    def labels(self) -> frozenset:  # the labels it asks for (``spec.PolicySpec.labels``)
+        return self.names
+
     def __call__(self, node) -> CheckpointPolicy:
         return MUST_SAVE if node.labels & self.names else PREFER_RECOMPUTE
 
@@ -138,6 +142,10 @@ class OffloadNames(Held):
     """Offload the results labelled with ``tracedac.name(tensor, label)`` for one of these labels."""
 
     names: frozenset
+
+    @property
+    def labels(self) -> frozenset:  # the labels it asks for (``spec.PolicySpec.labels``)
+        return self.names
 
     def __call__(self, node) -> CheckpointPolicy:
         return MUST_CPU_OFFLOAD if node.labels & self.names else PREFER_RECOMPUTE

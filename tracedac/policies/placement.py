@@ -29,6 +29,7 @@ replays fewer bytes and ops, then the one holding fewer device bytes.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -64,7 +65,28 @@ def figures(graph: RegionGraph, link: Link) -> Link:
     nodes = [n for n in graph.nodes if n is not None and n.flops]
     top = max(nodes, key=lambda n: n.flops) if nodes else None
     dtype = top.outputs[0].dtype if top is not None and top.outputs and top.outputs[0] is not None else None
-    return resolve(link, device, dtype if dtype is not None and dtype.is_floating_point else torch.float32)
+    dtype = dtype if dtype is not None and dtype.is_floating_point else torch.float32
+    if device.type == "cpu" and link.bandwidth is None:
+        _warn_cpu()
+        return Link(0.0, resolve(Link(1.0, link.flop_rate), device, dtype).flop_rate)  # no offload
+    return resolve(link, device, dtype)
+
+
+_WARNED_CPU: list = []
+
+
+def _warn_cpu() -> None:
+    """Once per process: a planner asked to offload (``offload=True``) on the CPU plans without."""
+    if _WARNED_CPU:
+        return
+    _WARNED_CPU.append(True)
+    warnings.warn(
+        "tracedac: a planner with offload=True ran on the CPU, where host memory is the device's "
+        "memory: a copy there saves nothing (it would hold the same bytes twice), so it plans without "
+        "offload. Offload is for CUDA devices; to exercise the choice on the CPU anyway, pass the "
+        "figures: offload=tracedac.policies.Link(bandwidth=..., flop_rate=...).",
+        stacklevel=2,
+    )
 
 
 def per_byte(link: Link, cost: str) -> float:

@@ -466,9 +466,11 @@ def memory_budget(budget, *, cost="flops", offload=False) -> MemoryBudget:
         )
     if isinstance(budget, float) and not 0.0 <= budget <= 1.0:
         hint = ""
-        if budget > 1:
+        if budget >= 2:
             n = int(budget)  # bytes are whole: the int the user most likely meant, said once
-            hint = f" For {n} bytes, pass an int: memory_budget({n}); for a fraction, a float in [0, 1]."
+            hint = f" For {n} bytes, pass an int: memory_budget({n}); to keep everything, memory_budget(1.0)."
+        elif budget > 1:  # (int(budget) would be 1, itself refused as ambiguous: not a hint to give)
+            hint = " To keep everything, pass memory_budget(1.0); for bytes, an int of at least 2."
         raise ValueError(
             f"memory_budget({budget!r}): a float budget is a fraction in [0, 1] of the bytes kept without "
             f"checkpointing.{hint}"

@@ -13,6 +13,8 @@ abilities as class attributes, and a flag of a policy they combine or wrap count
 - ``offloads_inputs``: the region's computed inputs leave the device at its end (``offload_inputs``).
 - ``reads_values``: asked with the op's real tensors (torch's selective checkpointing).
 - ``replays_collectives``: it decides functional collectives itself (``replay_collectives``).
+- ``labels``: the ``tracedac.name`` labels it asks for (``save_names``, ``offload_names``): a
+  region none of whose results carries one of them warns, once (a typo keeps nothing).
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ from .held import check_policy, hold
 from .planners import planner_of
 
 __all__ = ["PolicySpec", "spec_of"]
+
+
+def _labels(policy) -> frozenset:
+    """The labels ``policy``, or one it combines or wraps, asks for."""
+    own = getattr(policy, "labels", None)
+    found = frozenset(own) if isinstance(own, (set, frozenset)) else frozenset()
+    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
+    return found.union(*(_labels(p) for p in inner if p is not None and p is not policy))
 
 
 def _flag(policy, name: str) -> bool:
@@ -46,6 +56,7 @@ class PolicySpec:
     offloads_inputs: bool  # the region's computed inputs go to host memory at its end
     reads_values: bool  # asked with the op's real tensors while it records
     replays_collectives: bool  # decides functional collectives itself (checked across ranks)
+    labels: frozenset = frozenset()  # the tracedac.name labels it asks for
 
     @property
     def timing(self) -> bool:
@@ -72,4 +83,5 @@ def spec_of(policy) -> PolicySpec:
         offloads_inputs=_flag(policy, "offloads_inputs"),
         reads_values=_flag(policy, "reads_values"),
         replays_collectives=_flag(policy, "replays_collectives"),
+        labels=_labels(policy),
     )
