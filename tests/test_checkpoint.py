@@ -284,6 +284,34 @@ def test_a_tensor_changed_between_forward_and_backward_is_refused_by_name():
         loss.backward()
 
 
+def test_a_storage_swapped_in_after_forward_is_refused_and_writes_through_data_are_not_seen():
+    """``p.data = other`` keeps ``p``'s version counter but gives it another storage: gradients
+    were silently computed from the new value (torch's checkpoint too). Refused by name now.
+    A write through ``.data`` (or a ``.numpy()`` view) moves no version counter and keeps the
+    storage: nothing cheap can see it, and the README says so; this test pins that down."""
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("expert_bias", torch.zeros(4))
+
+        def forward(self, x):
+            return (torch.tanh(x + self.expert_bias) ** 2).sum()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    gate = checkpoint(Gate())
+    loss = gate(x)
+    gate.expert_bias.data = torch.ones(4)
+    with pytest.raises(CheckpointError, match="buffer 'expert_bias'.*given another storage.*data assigned"):
+        loss.backward()
+    gate = checkpoint(Gate())
+    loss = gate(x)
+    gate.expert_bias.data.add_(1.0)  # not seen: the gradient is from the new value
+    (got,) = torch.autograd.grad(loss, x)
+    (expected,) = torch.autograd.grad((torch.tanh(x + torch.ones(4)) ** 2).sum(), x)
+    assert torch.allclose(got, expected)
+
+
 def test_an_input_autograd_saved_and_changed_after_forward_is_refused():
     x = torch.randn(4, 4)
     w = torch.randn(4, 4, requires_grad=True)

@@ -28,8 +28,7 @@ from tracedac.inspect.saved import record
 from tracedac.inspect.tradeoff import _Region
 from tracedac.integrations import hf
 from tracedac.offload import link
-from tracedac.policies import Link
-from tracedac.policies import placement
+from tracedac.policies import Link, placement
 from tracedac.policies.placement import place
 
 from .test_offload import args, block, run

@@ -2,12 +2,11 @@
 cut and feasible, plans are cached by structure, and both compose with per-op policies."""
 
 import itertools
+import re
 import sys
 from unittest import mock
 
 import networkx as nx
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,11 +15,10 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import CheckpointPolicy
 
 import tracedac
-from tracedac.policies import Link
 from tracedac import CheckpointError, checkpoint, policies
 from tracedac.inspect.saved import record
 from tracedac.inspect.tradeoff import _Region
-from tracedac.policies import planners
+from tracedac.policies import Link, planners
 from tracedac.policies.min_cut import min_cut_keep
 from tracedac.policies.plan_cache import plans
 from tracedac.policies.planners import closure, costs, knapsack

@@ -192,7 +192,9 @@ def test_an_uncalled_policy_factory_is_refused_where_it_is_given_with_the_call_t
     """``policy=policies.save_matmuls`` (the factory) once failed at the first forward with
     "save_matmuls() takes 0 positional arguments but 1 was given"."""
     block = torch.nn.Linear(4, 4)
-    with pytest.raises(TypeError, match=rf"policy={factory.__name__} is the factory.*{factory.__name__}\(\.\.\.\)"):
+    with pytest.raises(
+        TypeError, match=rf"policy={factory.__name__} is the factory.*{factory.__name__}\(\.\.\.\)"
+    ):
         tracedac.checkpoint(block, policy=factory)
     with pytest.raises(TypeError, match="is the factory"):
         tracedac.wrap(torch.nn.Sequential(block), torch.nn.Linear, policy=factory)
@@ -211,7 +213,9 @@ def test_a_label_no_result_carries_is_warned_about_once_per_region_and_policy():
 
     x = torch.randn(4, requires_grad=True)
     typo = checkpoint(block, policy=policies.save_names("attn-out"))
-    with pytest.warns(UserWarning, match=r"none of its results carries the label 'attn-out'.*seen here: 'attn_out'"):
+    with pytest.warns(
+        UserWarning, match=r"none of its results carries the label 'attn-out'.*seen here: 'attn_out'"
+    ):
         typo(x).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -22,13 +22,14 @@ from .compile import traced_region
 from .errors import CheckpointError
 from .offload.host import host_copy, leave_device, settle
 from .policies.collectives import check_agreement
-from .policies.plan_cache import Planning, computation, plan_key
 from .policies.held import describe_policy
+from .policies.plan_cache import Planning, computation, plan_key
 from .policies.spec import PolicySpec
 from .record.decisions import is_offload, is_save, resolve
 from .record.graph import RegionGraph
 from .record.location import track_modules
 from .record.naming import arg_refs, describe, module_table, registered_name
+from .record.op_info import storage_address
 from .record.subclasses import is_subclass, saved
 from .record.tracer import TracerMode
 from .replay.plan import plan
@@ -287,6 +288,8 @@ class Region:
             live = g.held if g.held is not None else g.external
             if live is not None:
                 g.version = live._version
+                if live is g.external:
+                    g.address = storage_address(live)
         self._hand_inputs_to_parent()
         # What replay must be able to build: every handle not kept, and every kept one the
         # region itself modified after saving it.

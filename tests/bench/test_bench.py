@@ -190,13 +190,22 @@ def test_a_loaded_run_or_an_impossible_figure_leaves_the_goals_unscored(quick):
     loaded["load_average_before"] = 1.5 * loaded["cpus"]
     impossible = _quiet(quick)
     impossible["sanity"] = checkpointing._sanity(
-        [{"key": "none", "step_s": 1.0}, {"key": "torch", "step_s": 1.2}, {"key": "torch_sac", "step_s": 0.82}],
+        [
+            {"key": "none", "step_s": 1.0},
+            {"key": "torch", "step_s": 1.2},
+            {"key": "torch_sac", "step_s": 0.82},
+        ],
         {"empty_mode_forward_s": 0.78, "plain_forward_s": 1.0},
     )
-    for result, why in ((loaded, "load average"), (impossible, "torch selective step / no checkpoint: 0.82x")):
+    for result, why in (
+        (loaded, "load average"),
+        (impossible, "torch selective step / no checkpoint: 0.82x"),
+    ):
         text = checkpointing.format_report(result)
         assert "goals not scored: this run's timings are unreliable" in text and why in text, text
-        goal_lines = [line for line in text.splitlines() if any(f"{t['name']}:" in line for t in quick["targets"])]
+        goal_lines = [
+            line for line in text.splitlines() if any(f"{t['name']}:" in line for t in quick["targets"])
+        ]
         assert len(goal_lines) == 5 and all(line.startswith("  unsure ") for line in goal_lines), goal_lines
     assert "0.78x" in checkpointing.format_report(impossible)  # the empty mode's too
     assert "goals (" in checkpointing.format_report(_quiet(quick))

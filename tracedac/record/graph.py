@@ -240,6 +240,7 @@ class Group:
         "held",
         "host",
         "version",
+        "address",
         "grows",
     )
 
@@ -259,6 +260,9 @@ class Group:
         # outside tensor shares it) when the region ended; not read while it records
         # (``RegionGraph.recording``)
         self.version = -1
+        # an outside tensor's storage (its address) when the region ended: a storage swapped in
+        # under the same tensor since (``p.data = other``, ``set_``) keeps the version counter
+        self.address = None
         self.grows = False  # a write grew the storage in place (replay forgets its views after writes)
 
     def add_mutation(self, node: Node) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from ..errors import CheckpointError
 from ..record.decisions import EFFECT_REPLAYED, MUST_RECOMPUTE, PREFER_RECOMPUTE, effect
 from ..record.graph import Group, RegionGraph, human_bytes, walk
+from ..record.op_info import storage_address
 
 __all__ = ["Plan", "changed_error", "plan"]
 
@@ -27,11 +28,17 @@ def _live(graph: RegionGraph, g: Group):
     recording = graph.recording
     if g.held is not None and (recording or g.held._version == g.version):
         return "held"
-    if g.external is not None and (recording or g.external._version == g.version):
+    if g.external is not None and (recording or (g.external._version == g.version and not _swapped(g))):
         return "external"
     if g.outer is not None:
         return "outer"
     return None
+
+
+def _swapped(g: Group) -> bool:
+    """Whether an outside tensor's storage was replaced since the region ended (``p.data = x``,
+    ``set_``): the tensor's version counter does not move, its storage does."""
+    return g.address is not None and storage_address(g.external) != g.address
 
 
 def _host(graph: RegionGraph, g: Group, lowest: int) -> bool:
@@ -74,6 +81,15 @@ class _Forgotten(CheckpointError):
 
 
 def _unavailable(graph: RegionGraph, g: Group) -> Exception:
+    if g.external is not None and _swapped(g):
+        return CheckpointError(
+            f"{graph.namer(g.external)}, which region {graph.name!r} read, was given another "
+            "storage after the forward (its .data assigned, or set_), and backward needs the value "
+            "the forward saw to replay the ops that read it; the tensor's version counter does not "
+            "show such a change, so nothing else would notice. Assign after backward, or update "
+            "it in place under torch.no_grad() (a write the version counter sees: refused, or "
+            "replayed from a kept value)."
+        )
     if g.external is not None:
         return CheckpointError(
             f"{graph.namer(g.external)}, which region {graph.name!r} read, was modified in place "
