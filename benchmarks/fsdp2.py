@@ -18,9 +18,10 @@ Figures, each measured from outside the library, all variants in the same run:
 - **bytes held after forward**: ``probe.allocated_bytes()`` (glibc ``mallinfo2``) after the
   forward minus before it, the loss alive, ``gc.collect()`` first, the least of three
   forwards; in ranks started with ``PYTHONMALLOC=malloc`` and glibc's per-thread cache off
-  (``child.run_child``'s set-up), so Python objects count beside tensors. The max over ranks.
-  Beside it, that figure over one block's unsharded parameters (what FSDP2 gathers for a
-  block): a region that kept a block's gathered parameters would read 1 or more.
+  (``child.run_child``'s set-up), so Python objects count beside tensors (a recorded graph's
+  nodes, a checkpoint's closures). The max over ranks. The header gives one block's unsharded
+  parameters (what FSDP2 gathers for a block): a region that kept them alive would hold that
+  much over the torch row doing the same job, whose checkpoint FSDP2's free reaches too.
 - **step time**: forward + backward (FSDP2's reduce-scatters included) between two barriers,
   the median over the timed steps after an untimed one; variants take turns. In ranks
   started again with CPython's own allocator, glibc keeping freed memory (``probe``); with
@@ -285,7 +286,6 @@ def _rows(checks: list[dict], times: list[dict]) -> list[dict]:
                 "bytes_held_per_rank": [c["bytes_held"] for c in mine],
                 "bytes_held": held,
                 "block_bytes": mine[0]["block_bytes"],
-                "held_per_block": held / mine[0]["block_bytes"],
                 "max_grad_diff": max(c["max_grad_diff"] for c in mine),
                 "router_counts_per_routed": max(c["router_counts_per_routed"] for c in mine),
                 "step_times_s": step_times,
@@ -381,7 +381,6 @@ def _row_cells(row: dict) -> list[str]:
     return [
         row["label"],
         mib(row["bytes_held"]),
-        f"{row['held_per_block']:.2f}",
         _ratio(row["held_vs_torch"]),
         f"{row['step_s'] * 1e3:.0f} ms",
         _ratio(row["step_vs_torch"]),
@@ -397,7 +396,6 @@ def format_report(result: dict) -> str:
     header = [
         "variant",
         "held after fwd",
-        "/ 1 block",
         "held vs torch",
         "step (median)",
         "step vs torch",
@@ -412,9 +410,10 @@ def format_report(result: dict) -> str:
         f"{result['world_size']} ranks (gloo, CPU), {result['threads_per_rank']} thread each, torch "
         f"{result['torch']}; {result['steps']} timed steps per variant (forward + backward); memory: "
         f"{result['probe']}; timing allocator: {result['timing_allocator']}",
-        "'/ 1 block': held after forward over one block's unsharded parameters; 'vs torch': to the torch "
-        "row doing the same job (recompute_all and the budget: torch.utils.checkpoint; save_matmuls: "
-        "torch selective); 'router counts': tokens counted / tokens routed in one step",
+        f"one block's unsharded parameters: {mib(result['variants'][0]['block_bytes'])} (a region keeping "
+        "them alive would hold that much more than its torch row); 'vs torch': to the torch row doing the "
+        "same job (recompute_all and the budget: torch.utils.checkpoint; save_matmuls: torch selective); "
+        "'router counts': tokens counted / tokens routed in one step",
         "",
         *table(header, [_row_cells(r) for r in result["variants"]]),
         "",
