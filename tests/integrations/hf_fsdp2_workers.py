@@ -62,8 +62,6 @@ def train(rank: int, world: int, tmp: str, *, enable: bool, trainer_ac: bool, fs
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
     )
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "0")
     AcceleratorState._reset_state(reset_partial_state=True)  # each run builds its own
     model = build("llama")
     calls = [0] * len(model.model.layers)
