@@ -276,7 +276,8 @@ def memory(rank, world, setup: Setup, names=tuple(POLICIES), d: int = 512, layer
     and no region holds a block's unsharded parameters (first step included)."""
     x = batch(setup, d, rows=32)
     held = {}
-    kinds = [("none", None), ("torch", None), ("torch_sac", None)]
+    # torch's selective checkpointing only beside save_matmuls (each build compiles, compiled)
+    kinds = [("none", None), ("torch", None)] + ([("torch_sac", None)] if "save_matmuls" in names else [])
     for kind, name in kinds + [("tracedac", n) for n in names]:
         model = build(kind, setup, d, layers, name)
         held[name or kind] = held_after_forward(model, x)
