@@ -7,7 +7,9 @@ planner benchmark (``planners``: ``memory_budget`` against torch.compile's
 ``torch.compile`` graph (``compiled``); ``--zero``, under
 ``torchrun --nproc-per-node 2``, compares ZeRO-3 implementations (see ``zero``; with
 ``--compile``, compiled); ``--ep`` checkpoints an expert-parallel MoE on ``--ranks`` gloo
-ranks it starts itself and counts the collectives (``ep``); ``--profile``
+ranks it starts itself and counts the collectives (``ep``); ``--fsdp2`` checkpoints the blocks
+of an FSDP2 (``fully_shard``) model by torch and by tracedac on gloo ranks it starts
+(``fsdp2``); ``--profile``
 breaks one step down with torch.profiler (``profile``); ``--llama`` times a Llama-style decoder,
 the issue-18 GPU comparison (``llama_steps``). Progress goes to
 stderr, the table to stdout, and ``--json PATH`` writes every figure. Performance goals
@@ -132,10 +134,18 @@ def _parser() -> argparse.ArgumentParser:
         "split over the ranks, apply; --steps, --quick, --json too)",
     )
     p.add_argument(
+        "--fsdp2",
+        action="store_true",
+        help="tracedac regions inside FSDP2 instead (fsdp2.py): fully_shard per block then the model, "
+        "each block checkpointed by torch or by tracedac, on --ranks gloo processes it starts itself: "
+        "bytes held after forward, step time, gradient difference and router counts, ratios to torch "
+        "(size flags, --steps, --quick, --json apply)",
+    )
+    p.add_argument(
         "--ranks",
         type=int,
         default=None,
-        help="with --ep: how many ranks (processes, one thread each) to start (2)",
+        help="with --ep or --fsdp2: how many ranks (processes, one thread each) to start (2)",
     )
     p.add_argument(
         "--init-method",
@@ -171,8 +181,10 @@ def _write_json(path: str, figures: dict) -> None:
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.ranks is not None and not args.ep:
-        parser.error("--ranks is for --ep, which starts its own ranks; --zero runs under torchrun")
+    if args.ranks is not None and not (args.ep or args.fsdp2):
+        parser.error(
+            "--ranks is for --ep and --fsdp2, which start their own ranks; --zero runs under torchrun"
+        )
     if args.compiled_replay is not None:
         import tracedac
 
@@ -226,6 +238,25 @@ def main(argv=None) -> int:
             progress=None if args.quiet else sys.stderr,
         )
         print(ep.format_report(figures))
+    elif args.fsdp2:
+        from . import fsdp2, probe
+
+        world = fsdp2.RANKS if args.ranks is None else args.ranks
+        steps = fsdp2.STEPS if args.steps is None else args.steps
+        try:
+            fsdp2.check_settings(
+                fsdp2.QUICK if args.quick else _config(args), min(steps, 2) if args.quick else steps, world
+            )
+        except (ValueError, probe.ProbeUnavailable) as e:
+            parser.error(str(e))
+        figures = fsdp2.run(
+            _config(args),
+            world=world,
+            steps=steps,
+            quick=args.quick,
+            progress=None if args.quiet else sys.stderr,
+        )
+        print(fsdp2.format_report(figures))
     elif args.compile:
         from . import compiled
 

@@ -23,6 +23,7 @@ __all__ = [
     "is_wrapper_subclass_type",
     "op_effect",
     "optimization_hint",
+    "place_inside_fsdp_hooks",
     "prepend_forward_pre_hook",
     "process_group_named",
     "put_back_parameter",
@@ -50,6 +51,34 @@ def prepend_forward_pre_hook(module, hook):
     for key in [k for k in hooks if k != handle.id]:
         hooks[key] = hooks.pop(key)
     return handle
+
+
+# Where FSDP2 (``torch.distributed.fsdp.fully_shard``) defines its forward hooks, a module's
+# (``FSDPState._pre_forward``, ``_post_forward``) and a group's (closures around them).
+_FSDP_HOOKS_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+
+def place_inside_fsdp_hooks(module, pre, post) -> None:
+    """Move the forward pre-hook of handle ``pre`` to run right after the pre-forward hook
+    ``fully_shard`` put on ``module`` (its all-gather of the parameters), and the forward
+    hook of handle ``post`` right before its post-forward (which frees them); nothing where
+    ``fully_shard`` was not applied. FSDP2's hooks are told by the module defining them.
+    Both dicts are re-inserted in the new order (see ``prepend_forward_pre_hook``)."""
+
+    def fsdp(hooks) -> list:
+        return [k for k, h in hooks.items() if getattr(h, "__module__", None) == _FSDP_HOOKS_MODULE]
+
+    def move(hooks, key, at) -> None:
+        keys = [k for k in hooks if k != key]
+        at = at(keys)
+        for k in [*keys[:at], key, *keys[at:]]:
+            hooks[k] = hooks.pop(k)
+
+    unshard, reshard = fsdp(module._forward_pre_hooks), fsdp(module._forward_hooks)
+    if unshard:
+        move(module._forward_pre_hooks, pre.id, lambda keys: keys.index(unshard[-1]) + 1)
+    if reshard:
+        move(module._forward_hooks, post.id, lambda keys: keys.index(reshard[0]))
 
 
 def put_back_parameter(module, name: str) -> None:

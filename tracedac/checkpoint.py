@@ -15,7 +15,7 @@ import threading
 import torch
 from torch import nn
 
-from ._compat import class_forward, prepend_forward_pre_hook
+from ._compat import class_forward, place_inside_fsdp_hooks, prepend_forward_pre_hook
 from .compile import traced_region
 from .errors import CheckpointError
 from .matching import module_matcher, no_match_error
@@ -130,6 +130,10 @@ def _checkpoint_module(module: nn.Module, spec: PolicySpec, name: str | None = N
         prepend_forward_pre_hook(module, hooks.pre),
         module.register_forward_hook(hooks.post, always_call=True),
     )
+    # fully_shard applied first: the region inside FSDP2's all-gather and free, as in the
+    # order checkpoint-then-fully_shard, not around them (recording the all-gather, and the
+    # first step holding each block's gathered buffer until backward: docs/guide/fsdp2.md)
+    place_inside_fsdp_hooks(module, *hooks.handles)
     module._tracedac = hooks
     inner = module.__dict__.get("forward")
     if inner is None or getattr(inner, "tracedac_composes", False):  # (other instance forwards: eager only)
