@@ -234,6 +234,12 @@ def checkpoint_call(
             )
         policy = selective if selective is not None else policy
     policy = _policy(policy)
+    if not torch.compiler.is_compiling() and "torchtitan" in sys.modules and not tracing(args, kwargs):
+        # torch's checkpoint_wrapper(checkpoint_fn=checkpoint_call) says NO_REENTRANT, and
+        # torchtitan then halves a MoE block's token counts: warned, naming the fix
+        from .integrations.torchtitan import warn_if_halved
+
+        warn_if_halved(function)
     return run_region(function, args, kwargs, policy, contexts=contexts)
 
 
