@@ -18,7 +18,7 @@ ROOT = pathlib.Path(tracedac.__file__).parent
 
 # Bottom first. A name is a top-level module or package of tracedac.
 LAYERS = (
-    ("errors", "_compat", "kernels", "location", "naming", "copy_stats", "host_group"),
+    ("errors", "_compat", "kernels", "location", "naming", "copy_stats", "host_group", "wrapper_checks"),
     (
         "graph",
         "writes",

@@ -22,6 +22,7 @@ from .matching import module_matcher, no_match_error
 from .policies import check_policy, recompute_all
 from .region import Region, current_region, regions, run_region, tracing
 from .selective import COMPILED_FOREIGN, is_noop_context_fn, policy_for_context_fn
+from .wrapper_checks import warn_if_halved
 
 __all__ = ["checkpoint", "checkpoint_call", "is_checkpointed", "name", "unwrap", "wrap"]
 
@@ -237,8 +238,6 @@ def checkpoint_call(
     if not torch.compiler.is_compiling() and "torchtitan" in sys.modules and not tracing(args, kwargs):
         # torch's checkpoint_wrapper(checkpoint_fn=checkpoint_call) says NO_REENTRANT, and
         # torchtitan then halves a MoE block's token counts: warned, naming the fix
-        from .integrations.torchtitan import warn_if_halved
-
         warn_if_halved(function)
     return run_region(function, args, kwargs, policy, contexts=contexts)
 

@@ -22,15 +22,15 @@ deciding the same), and ``MemoryBudgetAC.apply``, by one that checkpoints each b
 
 The block is not wrapped: it stays in ``model.layers`` under its own name (no
 ``_checkpoint_wrapped_module`` in parameter names), its forward runs in a tracedac region. So it
-has no ``checkpoint_impl``, and torchtitan's MoE load-balancing hook (``register_moe_load_balancing_
-hook``), which halves ``tokens_per_expert_E`` for a block whose ``checkpoint_impl`` is torch's
-``NO_REENTRANT`` because torch's checkpoint runs the router twice, takes tracedac's count, made once,
-as it is: the expert bias equals no checkpointing's.
+has no ``checkpoint_impl``, and torchtitan's MoE load-balancing hook
+(``register_moe_load_balancing_hook``), which halves ``tokens_per_expert_E`` for a block whose
+``checkpoint_impl`` is torch's ``NO_REENTRANT`` because torch's checkpoint runs the router twice,
+takes tracedac's count, made once, as it is: the expert bias equals no checkpointing's.
 
 The other way in, ``checkpoint_wrapper(block, checkpoint_fn=tracedac.checkpoint_call)``, counts
 once too, but torch's wrapper says ``NO_REENTRANT`` whatever its ``checkpoint_fn``, so torchtitan
-halves the right count. ``warn_if_halved`` (called by ``checkpoint_call`` when torchtitan is
-imported) warns once per such MoE block and names the fix, ``enable()``.
+halves the right count. ``tracedac.wrapper_checks.warn_if_halved`` (called by ``checkpoint_call``
+when torchtitan is imported) warns once per such MoE block and names the fix, ``enable()``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import weakref
 
 from torch import nn
 
+from .._compat import checkpoint_wrapper_module
 from ..checkpoint import checkpoint_call
 from ..errors import CheckpointError
 from ..naming import register_name, unregister_name
@@ -176,9 +177,8 @@ def _checkpoint(module: nn.Module, name: str | None, policy, options: dict) -> n
 def _checkpoint_block(module: nn.Module, checkpoint_impl=None, checkpoint_fn=None, **options) -> nn.Module:
     """What torchtitan calls as ``ptd_checkpoint_wrapper`` while enabled: ``module`` itself,
     its forward run by ``tracedac.checkpoint_call`` with the options torch's wrapper would pass."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
-
-    if checkpoint_impl is not None and checkpoint_impl is not CheckpointImpl.NO_REENTRANT:
+    no_reentrant = checkpoint_wrapper_module().CheckpointImpl.NO_REENTRANT
+    if checkpoint_impl is not None and checkpoint_impl is not no_reentrant:
         raise CheckpointError(
             f"torchtitan asked for {checkpoint_impl} (reentrant) checkpointing of {type(module).__name__}, "
             "which re-runs the forward in backward; tracedac records it instead. Leave checkpoint_impl "
@@ -221,50 +221,3 @@ def _memory_budget_apply(self, model: nn.Module) -> None:
     layers = model.get_submodule("layers")
     for layer_id, block in layers.named_children():
         _checkpoint(block, f"layers.{layer_id}", policy, {})
-
-
-# --- the generic route: torch's checkpoint_wrapper(block, checkpoint_fn=tracedac.checkpoint_call)
-
-_warned: weakref.WeakSet = weakref.WeakSet()
-_SEARCH = 4  # frames above checkpoint_call in which to look for torch's wrapper's forward
-
-
-def warn_if_halved(function) -> None:
-    """Warn, once per block, when ``checkpoint_call`` runs a torchtitan MoE block inside torch's
-    ``CheckpointWrapper`` reporting ``NO_REENTRANT``: torchtitan's load-balancing hook halves the
-    block's ``tokens_per_expert_E``, counted once by tracedac, so the expert bias goes wrong.
-    Called by ``checkpoint_call`` (eager) when torchtitan is imported."""
-    if not isinstance(function, nn.Module) or not getattr(function, "moe_enabled", False):
-        return
-    wrapper_module = sys.modules.get("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
-    if wrapper_module is None:
-        return
-    forward = wrapper_module.CheckpointWrapper.forward.__code__
-    frame = sys._getframe(2)  # (1: checkpoint_call)
-    for _ in range(_SEARCH):
-        if frame is None:
-            return
-        if frame.f_code is forward:
-            break
-        frame = frame.f_back
-    else:
-        return
-    wrapper = frame.f_locals.get("self")
-    if getattr(wrapper, "_checkpoint_wrapped_module", None) is not function or wrapper in _warned:
-        return
-    if getattr(wrapper, "checkpoint_impl", None) is not wrapper_module.CheckpointImpl.NO_REENTRANT:
-        return
-    if getattr(getattr(function, "moe", None), "load_balance_coeff", None) is None:
-        return
-    _warned.add(wrapper)
-    warnings.warn(
-        f"tracedac.checkpoint_call runs a torchtitan MoE block ({type(function).__name__}) inside "
-        "torch's checkpoint_wrapper, whose checkpoint_impl says NO_REENTRANT whatever its "
-        "checkpoint_fn. torchtitan's MoE load-balancing hook then halves the block's "
-        "tokens_per_expert_E, assuming torch's checkpoint counted every token twice; tracedac "
-        "counts once, so the expert bias update is wrong. Call "
-        "tracedac.integrations.torchtitan.enable() before torchtitan applies activation "
-        "checkpointing (instead of passing checkpoint_fn=tracedac.checkpoint_call): the counts and "
-        "the expert bias then equal no checkpointing's.",
-        stacklevel=3,
-    )
