@@ -10,6 +10,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# torchtitan changes torch globally: importing torchtitan.distributed.compile wraps
+# FakeTensorMode.__init__ in torch.compiler.disable, and applying any of its AC modes turns
+# dynamo's LRU cache of compiled graphs off. Kept to this module's tests (``_torchtitans_torch``),
+# so the rest of the suite runs on torch as installed.
+_FAKE_INIT = FakeTensorMode.__init__
 
 pytest.importorskip(
     "torchtitan",
@@ -36,10 +43,22 @@ import tracedac  # noqa: E402
 from tracedac import CheckpointError, policies  # noqa: E402
 from tracedac.integrations import torchtitan as titan  # noqa: E402
 
+_TITAN_FAKE_INIT, FakeTensorMode.__init__ = FakeTensorMode.__init__, _FAKE_INIT
+
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")  # torchtitan's router
 
 VOCAB = 2048  # the debug models' vocabulary
 MODES = {"full": FullAC.Config, "selective": SelectiveAC.Config}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torchtitans_torch():
+    FakeTensorMode.__init__ = _TITAN_FAKE_INIT
+    try:
+        yield
+    finally:
+        FakeTensorMode.__init__ = _FAKE_INIT
+        torch._C._dynamo.eval_frame._set_lru_cache(True)  # (torch's default; AC's apply sets False)
 
 
 @pytest.fixture(autouse=True)
