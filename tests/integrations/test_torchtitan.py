@@ -2,6 +2,7 @@
 torchtitan's own debug models, AC modes, optimizer container and MoE load-balancing hook,
 compared with the same training run without checkpointing."""
 
+import copy
 import functools
 import sys
 import warnings
@@ -395,6 +396,22 @@ def test_blocks_keep_their_names_and_unwrap_makes_them_plain():
     assert model.layers["1"]._tracedac.name == "layers.1"  # (the region's name, in reports and errors)
     tracedac.unwrap(model)
     assert not any({"_tracedac", "forward"} & b.__dict__.keys() for b in model.layers.values())
+
+
+def test_a_deep_copy_of_an_enabled_model_is_checkpointed_on_its_own():
+    """torchtitan and its users copy models (pipeline stages, EMA): the copy's blocks must run
+    their own regions, and unwrapping the copy must leave the original checkpointed."""
+    titan.enable()
+    _, model = build("llama3", n_layers=2)
+    FullAC.Config().build().apply(model)
+    twin = copy.deepcopy(model)
+    assert twin.layers["0"]._tracedac.module is twin.layers["0"]
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    calls = count_calls(twin, "attention")
+    assert torch.equal(twin(tokens), model(tokens)) and len(calls) == 2
+    tracedac.unwrap(twin)
+    assert all("_tracedac" in b.__dict__ for b in model.layers.values())
+    assert not any("_tracedac" in b.__dict__ for b in twin.layers.values())
 
 
 def test_a_block_already_checkpointed_by_tracedac_is_refused():

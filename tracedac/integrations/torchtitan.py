@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-import weakref
 
 from torch import nn
 
@@ -124,22 +123,20 @@ class _Block:
     passes to ``checkpoint_call``, and what to put back (``tracedac.unwrap``)."""
 
     def __init__(self, module: nn.Module, name: str, policy, options: dict):
-        self.module = weakref.ref(module)
+        self.module = module  # (strong: a deep copy of the model copies it with its block)
         self.name = name
         self.policy = policy  # None: torch's context_fn in options says, else recompute_all()
         self.options = options  # checkpoint_call's torch options (context_fn among them)
-        self.inner_forward = module.__dict__.get("forward", _ABSENT)  # an instance forward set before
+        self.inner_forward = module.__dict__.get("forward")  # an instance forward set before, or None
 
     def __repr__(self) -> str:
         what = "context_fn" if self.options.get("context_fn") is not None else f"policy={self.policy!r}"
         return f"tracedac.integrations.torchtitan({what})"
 
     def disable(self) -> None:
-        module = self.module()
-        if module is None:
-            return
+        module = self.module
         del module.__dict__["forward"]
-        if self.inner_forward is not _ABSENT:
+        if self.inner_forward is not None:
             module.__dict__["forward"] = self.inner_forward
         module.__dict__.pop("_tracedac", None)
         unregister_name(module)
@@ -151,7 +148,7 @@ def _block_forward(module: nn.Module, *args, **kwargs):
     ``context_fn`` called once as torch calls it."""
     state = module._tracedac
     inner = state.inner_forward
-    if inner is _ABSENT:
+    if inner is None:
         inner = functools.partial(type(module).forward, module)  # (the region is named for module)
     return checkpoint_call(inner, *args, policy=state.policy, **state.options, **kwargs)
 
