@@ -130,7 +130,10 @@ class _Block:
         self.inner_forward = module.__dict__.get("forward")  # an instance forward set before, or None
 
     def __repr__(self) -> str:
-        what = "context_fn" if self.options.get("context_fn") is not None else f"policy={self.policy!r}"
+        if self.options.get("context_fn") is not None:
+            what = "context_fn"  # (torch's selective checkpointing, read per call)
+        else:
+            what = f"policy={self.policy!r}" if self.policy is not None else "policy=recompute_all()"
         return f"tracedac.integrations.torchtitan({what})"
 
     def disable(self) -> None:
