@@ -26,9 +26,19 @@ def _no_switch() -> str | None:
     return NO_SWITCH
 
 
-# each notebook that cannot run on this torch or transformers (its test skips): not started
+def _no_torchtitan() -> str | None:
+    """Why the torchtitan notebook cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is None:
+        return "torchtitan is not installed (pip install -e '.[titan]'; torchtitan 0.3 needs Python >= 3.11)"
+    return None
+
+
+# each notebook that cannot run on this torch, transformers or torchtitan (its test skips): not started
 CANNOT_RUN = {
     "05_huggingface.ipynb": _no_switch(),
+    "06_torchtitan.ipynb": _no_torchtitan(),
 }
 
 
@@ -53,6 +63,7 @@ NAMES = [
     "04_zero.ipynb",
     "05_huggingface.ipynb",
     "02_memory_budget.ipynb",
+    "06_torchtitan.ipynb",
     "01_tour.ipynb",
 ]
 
@@ -78,6 +89,7 @@ def test_every_notebook_is_tested():
         "03_compile.ipynb",
         "04_zero.ipynb",
         "05_huggingface.ipynb",
+        "06_torchtitan.ipynb",
     ]
     assert sorted(NAMES) == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))  # each one is run
 
@@ -125,6 +137,22 @@ def test_the_huggingface_notebook_trains_with_tracedac_under_the_trainer(printed
     assert "torch's checkpoint: training loss" in text and "in 4 steps: {'0': 8, '1': 8}" in text
     assert "weights after training bitwise equal to the run without checkpointing: True" in text
     assert "state_dict keys unchanged: True" in text and "checkpointing on: False" in text
+
+
+@pytest.mark.skipif(bool(CANNOT_RUN["06_torchtitan.ipynb"]), reason=CANNOT_RUN["06_torchtitan.ipynb"] or "")
+def test_the_torchtitan_notebook_shows_torchs_doubled_counts_the_halving_trap_and_enable(printed):
+    text = printed("06_torchtitan.ipynb")
+    row = (
+        "tokens counted per MoE layer: {} (true count 192); "
+        "expert bias after 3 steps equal to no checkpoint's: {}"
+    )
+    assert "no checkpoint" in text and row.format("[192, 192]", True) in text
+    assert "torch's checkpoint (FullAC)              " + row.format("[384, 384]", True) in text
+    assert "checkpoint_fn=tracedac.checkpoint_call   " + row.format("[192, 192]", False) in text
+    assert "2 warnings, the first: tracedac.checkpoint_call runs a torchtitan MoE block" in text
+    assert "tracedac (FullAC, enable())              " + row.format("[192, 192]", True) in text
+    assert "tracedac (SelectiveAC, enable())         " + row.format("[192, 192]", True) in text
+    assert "layer 1: tracedac.integrations.torchtitan(context_fn)" in text
 
 
 def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memory(printed):

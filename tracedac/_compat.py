@@ -15,6 +15,7 @@ import torch
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 
 __all__ = [
+    "checkpoint_wrapper_module",
     "class_forward",
     "graph_input_sources",
     "is_exporting",
@@ -260,3 +261,17 @@ def _sac_list_policy_code():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts([])[0].policy_fn.__code__
+
+
+_CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+
+
+def checkpoint_wrapper_module(load: bool = True):
+    """torch's private module of ``checkpoint_wrapper``, ``CheckpointWrapper`` and
+    ``CheckpointImpl`` (what torchtitan and FSDP users wrap blocks with). With ``load=False``,
+    None unless something imported it already (importing it loads torch.distributed)."""
+    if not load:
+        return sys.modules.get(_CHECKPOINT_WRAPPER)
+    import importlib
+
+    return importlib.import_module(_CHECKPOINT_WRAPPER)

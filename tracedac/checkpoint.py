@@ -25,6 +25,7 @@ from .policies.per_op import recompute_all
 from .policies.selective import COMPILED_FOREIGN, is_noop_context_fn, policy_for_context_fn
 from .policies.spec import PolicySpec, spec_of
 from .region import Region, current_region, regions, run_region, tracing
+from .wrapper_checks import warn_if_halved
 
 __all__ = [
     "checkpoint",
@@ -287,6 +288,10 @@ def checkpoint_call(
         if policy is not None:
             check_policy(policy)
         return run_region(function, args, kwargs, policy or DEFAULT_POLICY)
+    if "torchtitan" in sys.modules:
+        # torch's checkpoint_wrapper(checkpoint_fn=checkpoint_call) says NO_REENTRANT, and
+        # torchtitan then halves a MoE block's token counts: warned, naming the fix
+        warn_if_halved(function)
     return run_region(function, args, kwargs, _spec(policy), contexts=contexts)
 
 
