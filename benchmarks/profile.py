@@ -27,7 +27,7 @@ time (until the device is done). On a GPU, where the forward is host-bound, what
 takes over the least recorder is what a faster recorder in Python could still win, and the
 least recorder's over torch's checkpoint is what only a recorder below Python could.
 
-The same command runs on a GPU machine (``--device cuda``): docs/gpu.md has its figures on an
+The same command runs on a GPU machine (``--device cuda``): docs/results.md has its figures on an
 H100 and an H200.
 """
 

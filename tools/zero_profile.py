@@ -1,5 +1,5 @@
 """Where a compiled tracedac.zero bf16 "auto" step spends its time against FSDP2 compiled under
-the same autocast, on one rank: GPU run 4 measured 34 against 28 ms (docs/gpu.md), while on the
+the same autocast, on one rank: GPU run 4 measured 34 against 28 ms (results/history/gpu.md), while on the
 CPU at one rank the two cost the same host time, so the difference is the GPU's to show.
 
     python tools/zero_profile.py                   # on a GPU (NCCL, one rank): the bench's size

@@ -1,6 +1,6 @@
 """tracedac: activation checkpointing that records the forward instead of re-running it.
 
-See README.md for a tour. Everything public is re-exported here; nothing runs at import.
+See README.md and docs/guide/ for a tour. Everything public is re-exported here; nothing runs at import.
 """
 
 from . import ops, policies

@@ -268,7 +268,7 @@ def checkpoint_call(
             f"it records the forward instead of re-running it. Pass use_reentrant=False{also}. With "
             "Hugging Face transformers, enable tracedac with tracedac.integrations.hf.enable(model, "
             "policy=...) and leave use_reentrant out of gradient_checkpointing_kwargs (or set it "
-            "to False); see README, 'Hugging Face transformers'."
+            "to False); see docs/guide/huggingface.md."
         )
     contexts = None
     if not is_noop_context_fn(context_fn):

@@ -1,5 +1,5 @@
 """``benchmarks.tensor_parallel`` on two ranks, tiny: its rows count what ran and keep what
-docs/benchmarks.md reads from them."""
+results/history/benchmarks.md reads from them."""
 
 from __future__ import annotations
 

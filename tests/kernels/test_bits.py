@@ -28,7 +28,7 @@ def test_every_16_bit_pattern_converts_like_torch(src_dtype, dst_dtype):
 def test_every_fp32_exponent_rounds_like_torch_at_its_rounding_boundaries(dst_dtype):
     """Rounding errors hide at ties, at carries into the exponent, at overflow and in the
     subnormal range; every sign and exponent is tried with the mantissas where rounding turns.
-    (All 2**32 patterns were checked once offline; see docs/kernels.md.)"""
+    (All 2**32 patterns were checked once offline; see docs/guide/kernels.md.)"""
     patterns = boundary_sample()
     want = to_bits(from_bits(patterns, torch.float32).to(dst_dtype))
     got = convert_bits(patterns, torch.float32, dst_dtype, nan_rule(CPU, torch.float32, dst_dtype))

@@ -10,7 +10,7 @@ compiles the kernel and returns it. Every later launch of a prepared :class:`Lau
 compiled kernel's launcher directly (:func:`_bare_launcher`): Triton's ``kernel[grid]`` binds and
 specializes every argument, looks the kernel up and builds launch metadata on each call, and its
 launcher asks the driver about each tensor's pointer: on the H200 machine a call took 58 us of
-host time that way and takes 28 this way (docs/gpu.md, run 4), the fixed cost that had made
+host time that way and takes 28 this way (results/history/gpu.md, run 4), the fixed cost that had made
 small units slower than FSDP2's copy-in. A prepared launch has nothing left to decide: the same
 kernel, grid, constants and pointers every call. Where this Triton's compiled kernel lacks what
 that needs, or a launch hook is registered (a profiler: Triton's runner passes it launch

@@ -6,7 +6,7 @@ them and key the plan cache. Per op: ``recompute_all`` (the default), ``save_all
 ``save_ops``, ``save_matmuls``, ``save_names``, ``offload_ops``, ``offload_names``. For the
 whole recorded graph (planners): ``memory_budget``, ``min_cut``. Combined and wrapped:
 ``either``, ``offload_kept``, ``offload_inputs``, ``replay_collectives``. See
-docs/guide/policies.md.
+docs/guide/checkpointing.md and docs/guide/planners.md.
 
 The modules, bottom first: ``held`` (what every policy is), ``min_cut``, ``placement`` (keep,
 offload or replay: the cost model), ``planners``, ``plan_cache``, ``per_op``, ``wrappers``,

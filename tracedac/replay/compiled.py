@@ -30,7 +30,7 @@ handles replay fills outlive the call.
 On by default for passes on CUDA devices, off on the CPU (measured: on an H100 a bf16 Llama
 step took 0.84x the time of op-by-op replay under ``recompute_all`` and 0.82x under
 ``save_matmuls``; on a 2-core CPU, where kernels dominate, no gain the noise hid:
-docs/benchmarks.md). ``tracedac.compiled_replay(True)`` / ``False`` (or
+docs/results.md). ``tracedac.compiled_replay(True)`` / ``False`` (or
 ``TRACEDAC_COMPILED_REPLAY=1`` / ``0``) turns it on or off for every device; ``"cuda"`` is
 the default.
 """
