@@ -63,6 +63,12 @@ def test_tracedac_rows_give_the_gradients_of_no_checkpoint_and_count_each_token_
 
 def test_each_goal_is_printed_with_its_verdict(quick):
     figures, text = quick
+    if "goals not scored" in text:  # a loaded machine: the figures printed unscored, each marked unsure
+        for t in figures["targets"]:
+            (line,) = [line for line in text.splitlines() if f"{t['name']}:" in line]
+            assert line.startswith("  unsure "), line
+        figures = {**figures, "load_average_before": 0.0, "sanity": []}
+        text = fsdp2.format_report(figures)
     assert len(figures["targets"]) == 3
     for t in figures["targets"]:
         (line,) = [line for line in text.splitlines() if f"{t['name']}:" in line]

@@ -112,7 +112,7 @@ def rows(figures) -> dict:
 
 def test_rank_0_prints_the_table_and_the_other_rank_stays_quiet(quick):
     _, rank0, rank1 = quick
-    assert "goals (" in rank0 and "FSDP2 bf16" in rank0
+    assert ("goals (" in rank0 or "goals not scored" in rank0) and "FSDP2 bf16" in rank0
     assert rank1 == ""
 
 
@@ -197,7 +197,7 @@ def test_bf16_all_gathers_move_at_most_0_55x_the_bytes_of_fp32(quick):
 
 
 def test_each_target_is_reported_with_its_value_and_verdict(quick):
-    figures = quick[0]
+    figures = {**quick[0], "load_average_before": 0.0}  # as a quiet machine: scored
     text = zero.format_report(figures)
     verdicts = [line for line in text.splitlines() if line.startswith(("  met ", "  missed ", "  n/a "))]
     assert len(verdicts) == len(figures["targets"])
@@ -221,6 +221,7 @@ def test_a_missing_deepspeed_shows_as_not_installed_and_the_rest_still_reports(q
         if row["library"] == "deepspeed":
             figures["variants"][i] = {k: row[k] for k in ("key", "label", "library", "precision")}
             figures["variants"][i]["status"] = "not installed (pip install deepspeed)"
+    figures["load_average_before"] = 0.0  # as a quiet machine: scored
     text = zero.format_report(figures)
     line = next(line for line in text.splitlines() if line.startswith("DeepSpeed ZeRO-3 bf16"))
     assert "not installed" in line

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import tracedac
 import tracedac.zero as zero
 from benchmarks import probe
-from tracedac.zero import gathered as zgathered
+from tracedac.zero import group as zgroup
 
 from . import workers as w
 
@@ -92,7 +92,7 @@ def equal_to_eager(rank, world, cases, backend=BACKEND):
         out[(where, how, dynamic)] = (
             max(abs(a - b) for a, b in zip(losses, ref_losses)),
             w.max_diff(sd, ref_sd),
-            len(zgathered._LIVE),
+            len(zgroup.LIVE),
         )
         if g is not None and not dynamic:
             _GRAPHS[(where, how)] = _graph_counts(g, m)
@@ -214,7 +214,7 @@ def memory(rank, world, steps=10, d=192):
         held.append((probe.allocated_bytes(), _tensors()))
     _fresh()
     unit = 4 * sum(p.numel() for p in m.blocks[0].parameters())
-    return held[steps][0] - held[1][0], held[1][1], held[steps][1], unit, len(zgathered._LIVE)
+    return held[steps][0] - held[1][0], held[1][1], held[steps][1], unit, len(zgroup.LIVE)
 
 
 def several(rank, world, parts):

@@ -14,7 +14,6 @@ from torch.utils.checkpoint import checkpoint
 
 import tracedac
 import tracedac.zero as zero
-from tracedac.zero import gathered as zgathered
 from tracedac.zero import group as zgroup
 from tracedac.zero import inflight as zinflight
 
@@ -206,7 +205,7 @@ def memory(rank, world):
             forward=forward,
             backward=backward,
             users=dict(users),
-            live=len(zgathered._LIVE),
+            live=len(zgroup.LIVE),
             starts=log.starts,
             prefetched=log.prefetched,
             grads=all(p.grad is not None for p in m.parameters() if p.requires_grad),
@@ -367,8 +366,8 @@ def diverge(rank, world, learned=False):
     try:
         F.mse_loss(m(x), y).backward()
     except zero.ZeroError as e:
-        return time.monotonic() - start, str(e), len(zgathered._LIVE)
-    return time.monotonic() - start, None, len(zgathered._LIVE)
+        return time.monotonic() - start, str(e), len(zgroup.LIVE)
+    return time.monotonic() - start, None, len(zgroup.LIVE)
 
 
 def diverge_in_backward(rank, world):
