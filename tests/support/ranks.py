@@ -1,4 +1,5 @@
-"""Run a function on N ranks of a real gloo process group, with a hard timeout.
+"""Run a function on N ranks of a real gloo process group, with a hard timeout, and check what
+each rank computes where it computes it.
 
 ``run_ranks(fn, world, *args)`` starts ``world`` processes, each initializing gloo through a
 file in a fresh temporary directory (no ports), calls ``fn(rank, world, *args)`` and
@@ -11,10 +12,27 @@ dynamo once for the session: a spawned interpreter spent some 3.5 s of CPU impor
 for each of the suite's ~60 ranks. The server has only imported (no thread pool, process
 group or compile has run in it), so a rank starts as a spawned one would; it is handed this
 process's environment of the moment (the server's own is the one it started with).
+
+Checks. A rank function asserts on what it computed, where it computed it, as torch's
+``MultiProcessTestCase`` does: a failure's traceback points at the line with the wrong value.
+Starting ranks costs seconds, so one spawn runs several rank functions (``run_parts``:
+``[(fn, *args)]``, each a part) and each test reports the checks it is about:
+
+- in a rank function, ``with check("name"):`` around the asserts of one check records whether
+  they held or the failure's traceback, and the function goes on to its next check. Put a
+  check's asserts after the collectives it needs, so that a failing rank stays in step with
+  the others. A part is a check too, under its function's name;
+- in the test, ``ranks.passed("name")`` fails with the traceback of every rank where the
+  check failed, was never made, or whose part raised outside its checks.
+
+The test process never sees the values, only the outcomes: nothing is asserted by name
+elsewhere. (Spawned ranks import the rank function's module without pytest's assertion
+rewriting: an ``assert`` says what it compared through its message.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -93,6 +111,10 @@ class Ranks:
             raise AssertionError(f"{self.fn.__name__} failed on {self.world} ranks:\n" + "\n".join(errors))
         return [v for _, v in self._results]
 
+    def checks(self) -> Checks:
+        """The checks of ranks started by ``start_parts`` (waits for them)."""
+        return Checks(self.results(), self.world)
+
     def until_one_dies(self) -> list:
         """Wait until a rank's process ends without a result (killed, as a job whose rank dies
         is), then kill the others, as torchrun does; their exit codes (None: killed here)."""
@@ -151,16 +173,107 @@ def run_ranks(fn, world: int, *args, timeout: float = 90.0, env: dict | None = N
     return start_ranks(fn, world, *args, timeout=timeout, env=env).results()
 
 
-def part(results: list, name: str, world: int | None = None) -> list:
-    """Each rank's value of part ``name`` of a run of ``several``-style workers (each rank
-    returns {name: ("ok", value) or ("error", traceback)}); a rank's error fails the test."""
-    import pytest
+# --- checks ----------------------------------------------------------------------------------
 
-    out = []
-    for rank, parts in enumerate(results):
-        kind, value = parts[name]
-        if kind == "error":
-            where = f"rank {rank}" if world is None else f"rank {rank} of {world}"
-            pytest.fail(f"{name} failed on {where}:\n{value}")
-        out.append(value)
-    return out
+_RUNNING: dict | None = None  # in a rank under ``run_parts``: check name -> (part, traceback or None)
+_PART: str | None = None  # the part running
+
+
+@contextlib.contextmanager
+def check(name: str):
+    """The asserts of check ``name``: under ``run_parts`` an exception in the block is recorded
+    with its traceback and the rank function goes on; anywhere else it propagates."""
+    outcomes = _RUNNING
+    if outcomes is None:
+        yield
+        return
+    if name in outcomes:
+        raise ValueError(f"check {name!r} is made twice in one spawn: give each check its own name")
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 (recorded, pytest's outcomes too: the check's test fails with it)
+        outcomes[name] = (_PART, traceback.format_exc())
+    else:
+        outcomes[name] = (_PART, None)
+
+
+def message_of(error: type[BaseException], fn, *args, **kwargs) -> str:
+    """The message of the ``error`` that ``fn(*args, **kwargs)`` raises; an AssertionError
+    (a failed check) if it raises none."""
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        return str(e)
+    raise AssertionError(f"{getattr(fn, '__name__', fn)} raised no {error.__name__}")
+
+
+def run_parts_here(rank: int, world: int, parts: list) -> tuple[dict, dict]:
+    """Run each ``(fn, *args)`` of ``parts`` in turn: (check name -> (part, traceback or None),
+    part -> what it returned). A part is named for its function (one run twice with other
+    arguments is one part: an error in either run fails it). What ``run_parts`` spawns; called
+    as it is in a process that has its own process group (a world of one)."""
+    global _RUNNING, _PART
+    outcomes, values = {}, {}
+    for fn, *args in parts:
+        name = fn.__name__
+        _RUNNING, _PART = outcomes, name
+        try:
+            values[name] = fn(rank, world, *args)
+            error = None
+        except Exception:  # noqa: BLE001 (recorded per part; the others still run)
+            error = traceback.format_exc()
+        finally:
+            _RUNNING = _PART = None
+        if name in outcomes:  # the function ran before, with other arguments: its first error stands
+            error = outcomes[name][1] or error
+        outcomes[name] = (name, error)
+    return outcomes, values
+
+
+class Checks:
+    """The outcome of every check each rank of a ``run_parts`` made."""
+
+    def __init__(self, results: list, world: int | None = None):
+        self.results = results  # per rank: (outcomes, values) of run_parts_here
+        self.world = len(results) if world is None else world
+
+    def passed(self, *names: str) -> None:
+        """Fail the test unless every rank made each check of ``names``, it held, and its
+        part raised nothing outside its checks."""
+        import pytest
+
+        failures = []
+        for name in names:
+            for rank, (outcomes, _) in enumerate(self.results):
+                where = f"rank {rank} of {self.world}"
+                if name not in outcomes:
+                    raised = [f"\npart {k} raised:\n{e}" for k, (p, e) in outcomes.items() if k == p and e]
+                    failures.append(f"check {name!r} was never made on {where}" + "".join(raised))
+                    continue
+                part, error = outcomes[name]
+                if error is not None:
+                    failures.append(f"check {name!r} failed on {where}:\n{error}")
+                elif outcomes[part][1] is not None:
+                    failures.append(
+                        f"check {name!r}: its part {part} failed on {where}:\n{outcomes[part][1]}"
+                    )
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+
+    def values(self, part: str) -> list:
+        """What ``part`` returned on each rank (after ``passed(part)``), for a test that
+        checks them beside what this process computes."""
+        self.passed(part)
+        return [values[part] for _, values in self.results]
+
+
+def start_parts(world: int, parts: list, *, timeout: float = 90.0, env: dict | None = None) -> Ranks:
+    """``start_ranks`` of ``run_parts_here``: ``.checks()`` waits for the outcomes."""
+    return start_ranks(run_parts_here, world, parts, timeout=timeout, env=env)
+
+
+def run_parts(world: int, parts: list, *, timeout: float = 90.0, env: dict | None = None) -> Checks:
+    """Run ``parts`` (``[(fn, *args)]``) on ``world`` ranks of one spawn; their checks."""
+    return start_parts(world, parts, timeout=timeout, env=env).checks()
