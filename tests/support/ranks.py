@@ -23,7 +23,9 @@ Starting ranks costs seconds, so one spawn runs several rank functions (``run_pa
   check's asserts after the collectives it needs, so that a failing rank stays in step with
   the others. A part is a check too, under its function's name;
 - in the test, ``ranks.passed("name")`` fails with the traceback of every rank where the
-  check failed, was never made, or whose part raised outside its checks.
+  check failed, was never made, or whose part raised outside its checks;
+- ``together(fn, ...)`` runs a step that may fail on some ranks only and tells every rank, so
+  that the ranks stay in step for the collectives after it.
 
 The test process never sees the values, only the outcomes: nothing is asserted by name
 elsewhere. (Spawned ranks import the rank function's module without pytest's assertion
@@ -207,6 +209,33 @@ def message_of(error: type[BaseException], fn, *args, **kwargs) -> str:
     except error as e:
         return str(e)
     raise AssertionError(f"{getattr(fn, '__name__', fn)} raised no {error.__name__}")
+
+
+def together(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on every rank, then one all-reduce of which ranks raised: a rank
+    that raised raises its own error, the others an AssertionError naming it. What a check wraps
+    around a step that may fail on some ranks only (a load that crashes where a rank's rows do
+    not fit), so that no rank goes on to a collective the others skip (gloo would wait for it
+    until its timeout, or abort the process on mismatched sizes)."""
+    import torch
+    import torch.distributed as dist
+
+    error = None
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (raised again below, once every rank knows)
+        error = e
+    failed = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+    failed[dist.get_rank()] = error is not None
+    dist.all_reduce(failed)
+    if error is not None:
+        raise error
+    if failed.any():
+        ranks = failed.nonzero().flatten().tolist()
+        raise AssertionError(
+            f"{getattr(fn, '__name__', fn)} raised on rank(s) {ranks} (their checks say why)"
+        )
+    return out
 
 
 def run_parts_here(rank: int, world: int, parts: list) -> tuple[dict, dict]:
