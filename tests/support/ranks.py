@@ -27,9 +27,11 @@ Starting ranks costs seconds, so one spawn runs several rank functions (``run_pa
 - ``together(fn, ...)`` runs a step that may fail on some ranks only and tells every rank, so
   that the ranks stay in step for the collectives after it.
 
-The test process never sees the values, only the outcomes: nothing is asserted by name
-elsewhere. (Spawned ranks import the rank function's module without pytest's assertion
-rewriting: an ``assert`` says what it compared through its message.)
+The test process gets the outcomes, not the values, which are asserted where they are
+computed; a test that checks a rank's value beside what its own process computes (a
+checkpoint the ranks saved, loaded here on one rank) reads it with ``Checks.values``.
+(Spawned ranks import the rank function's module without pytest's assertion rewriting: an
+``assert`` says what it compared through its message.)
 """
 
 from __future__ import annotations
