@@ -7,8 +7,8 @@ checkpoint, as transformers runs it) and with ``tracedac.integrations.hf.enable`
 policy ``recompute_all()``). A step is forward and backward of the language-model loss on a
 fixed batch; the three variants take turns (``child.time_in_turns``) and the median is
 reported, with tracedac's ratio to torch's checkpoint. Timings only: memory and gradients
-are the tests' (tests/integrations/test_hf.py). The same builders serve those tests, at
-their smallest (tests/support/hf_models.py).
+are the tests' (tests/integrations/test_hf.py), which build the same architectures with
+builders of their own (tests/support/hf_models.py: the benchmarks import no test).
 """
 
 from __future__ import annotations

@@ -579,9 +579,10 @@ def test_a_cached_plan_is_not_applied_where_autograd_saved_something_else():
     ``exp``'s result (within 0.6 of ``h`` and it), which is over 0.6 of what the frozen call
     saves: the region checks what autograd saved against what the plan was made for, and
     plans again (measured at the allocator)."""
-    from benchmarks.probe import allocated_bytes
     from tracedac.policies.plan_cache import plans
     from tracedac.region import current_region
+
+    from .support.probe import allocated_bytes
 
     regions = []
     w = torch.randn(256, 256) / 16

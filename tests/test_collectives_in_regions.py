@@ -1,7 +1,7 @@
 """Collectives inside a checkpointed region run once: their results are kept under every
 policy and planner, never replayed (docs/design.md, "Collectives are effects").
 
-On 2 gloo ranks (tests/zero/spawn.py): an expert-parallel MoE block (tokens sent to the rank
+On 2 gloo ranks (tests/support/ranks.py): an expert-parallel MoE block (tokens sent to the rank
 their router picks with uneven all-to-all splits, through its expert, and back) and a
 tensor-parallel MLP (an all-reduce), each checkpointed under four policies, against the same
 block without checkpointing: the collectives counted in forward and in backward
@@ -9,71 +9,227 @@ block without checkpointing: the collectives counted in forward and in backward
 backward replayed both all-to-alls (4 in backward where the block issues 2), and under
 ``min_cut`` the two ranks, planning from their own split sizes, replayed different ones and
 gloo aborted on the mismatch.
+
+The rank functions beside the tests check what they compute; one spawn runs the eager ones,
+each test reports its check (tests/support/ranks.py).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import _functional_collectives as fc
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils.checkpoint import CheckpointPolicy
 
-from . import collective_workers as cw
-from .zero.spawn import part, run_ranks
+import tracedac
+from tracedac import CheckpointError
+
+from .support import collective_blocks as cb
+from .support.ranks import check, message_of, run_parts
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 
-POLICIES = tuple(cw.POLICIES)
+POLICIES = tuple(cb.POLICIES)
+A2A, ALL_REDUCE = "c10d_functional.all_to_all_single", "c10d_functional.all_reduce"
+# what each block issues without checkpointing: (forward, backward)
+PLAIN = {
+    "moe": ({A2A: 3}, {A2A: 2}),  # the split sizes' all-to-all and the tokens' two; their gradients'
+    "all_reduce": ({ALL_REDUCE: 1}, {ALL_REDUCE: 1}),
+    "c10d": ({"c10d.allreduce_": 1}, {}),
+}
+MAKE = {"moe": cb.MoE, "all_reduce": lambda world: cb.RowParallel(), "c10d": lambda world: cb.GlobalScale()}
+
+
+def eager(rank, world, kind):
+    """Block ``kind`` without checkpointing, then checkpointed under each policy: check
+    "<kind> <policy>", the collectives of no checkpointing in forward and in backward, and its
+    gradients exactly."""
+    block, x = cb.inputs(rank, lambda: MAKE[kind](world))
+    fwd, bwd, want = cb.step(block, x)
+    if kind == "moe":
+        sizes = [None] * world
+        dist.all_gather_object(sizes, cb.sizes_of(block, x))
+        with check("moe splits"):
+            assert all(len(set(send)) > 1 for send, _ in sizes), sizes  # uneven
+            assert sizes[0] != sizes[1], sizes  # different on every rank
+    for name, policy in cb.POLICIES.items():
+        with check(f"{kind} {name}"):
+            tracedac.checkpoint(block, policy=policy())
+            try:
+                got_fwd, got_bwd, got = cb.step(block, x)
+            finally:
+                tracedac.unwrap(block)
+            assert (fwd, bwd) == PLAIN[kind], (fwd, bwd)
+            assert (got_fwd, got_bwd) == (fwd, bwd), (name, got_fwd, got_bwd)
+            assert cb.difference(got, want) == 0.0, (name, cb.difference(got, want))
+
+
+def outside(rank, world):
+    """The all-to-alls outside the region, the expert inside: the region receives the
+    collective's ``AsyncCollectiveTensor``. Check "outside <policy>": it is one, and the
+    collectives and gradients of the uncheckpointed expert."""
+    block, x = cb.inputs(rank, lambda: cb.MoE(world))
+    send, recv = cb.sizes_of(block, x)
+
+    # F.linear, not the modules: CommDebugMode's module tracker fails on a module called
+    # from no module here (IndexError in _fw_set_module_hook; torch's own checkpoint too)
+    def expert(t):
+        up, down = block.up, block.down
+        return F.linear(F.gelu(F.linear(t, up.weight, up.bias)), down.weight, down.bias)
+
+    def step(fn):
+        xg = x.clone().requires_grad_()
+        block.zero_grad()
+        with CommDebugMode() as forward:
+            tokens = fc.all_to_all_single_autograd(xg, recv, send, dist.group.WORLD)
+            back = fc.all_to_all_single_autograd(fn(tokens), send, recv, dist.group.WORLD)
+            loss = back.square().sum()
+        with CommDebugMode() as backward:
+            loss.backward()
+        counts = [{str(op): n for op, n in c.get_comm_counts().items() if n} for c in (forward, backward)]
+        grads = [p.grad for p in block.parameters() if p.grad is not None]
+        return type(tokens).__name__, *counts, [xg.grad, *grads]
+
+    kind, fwd, bwd, want = step(expert)
+    for name, policy in cb.POLICIES.items():
+        with check(f"outside {name}"):
+            _, got_fwd, got_bwd, got = step(tracedac.checkpoint(expert, policy=policy()))
+            assert kind == "AsyncCollectiveTensor", kind
+            assert (got_fwd, got_bwd) == (fwd, bwd), (name, (fwd, bwd), (got_fwd, got_bwd))
+            assert cb.difference(got, want) == 0.0, (name, cb.difference(got, want))
+
+
+def _keep_collectives_replayed(node):
+    """A policy that asks for every collective to be replayed."""
+    if "c10d" in node.name:
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def refusals(rank, world):
+    """Checks "must replay" (a policy that must replay a collective) and "written" (a region
+    that writes a collective's result in place where backward needs the value from before):
+    each a CheckpointError saying why and what to do."""
+    block, x = cb.inputs(rank, cb.RowParallel)
+    tracedac.checkpoint(block, policy=_keep_collectives_replayed)
+    with check("must replay"):
+        message = message_of(CheckpointError, block, x.clone().requires_grad_())
+        assert "MUST_RECOMPUTE" in message and "a collective" in message, message
+        assert "PREFER_RECOMPUTE" in message, message
+    tracedac.unwrap(block)
+
+    def written(x):
+        y = fc.all_reduce(x * 2, "sum", dist.group.WORLD)
+        s = y.sigmoid()  # replayed in backward: from y as it was before the write below
+        y.mul_(3)
+        return s * y
+
+    with check("written"):
+        message = message_of(CheckpointError, tracedac.checkpoint(written), x.clone().requires_grad_())
+        assert "all_reduce" in message and "clone()" in message, message
+
+
+def compiled(rank, world, names):
+    """The MoE compiled fullgraph with ``aot_eager_decomp_partition``, without checkpointing
+    (check "compiled plain") and under each policy of ``names`` (check "compiled <policy>")."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from tracedac.compile.vocab import DECISION
+    from tracedac.inspect.compiled import partition
+
+    block, x = cb.inputs(rank, lambda: cb.MoE(world))
+    sizes = cb.sizes_of(block, x)
+    *_, want = cb.step(block, x, sizes)
+
+    def collectives(graph) -> dict:
+        ops = [
+            str(n.target)
+            for n in graph.nodes
+            if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+        ]
+        return {op: ops.count(op) for op in sorted(set(ops))}
+
+    plain = None
+    for name in ("plain", *names):
+        if name != "plain":
+            tracedac.checkpoint(block, policy=cb.POLICIES[name]())
+        torch._dynamo.reset()
+        counters.clear()
+
+        def step(x):
+            return block(x, sizes).square().sum()
+
+        (part,) = partition(step, x.clone().requires_grad_())
+        tags = {
+            (n.meta.get("recompute"), n.meta.get(DECISION))
+            for n in part.fw.graph.nodes
+            if getattr(n.target, "namespace", None) == "_c10d_functional"
+        }
+        recomputed = [
+            str(n.target) for n in part.replayed if getattr(n.target, "namespace", None) == "_c10d_functional"
+        ]
+        torch._dynamo.reset()
+        xg = x.clone().requires_grad_()
+        block.zero_grad()
+        torch.compile(step, backend="aot_eager_decomp_partition", fullgraph=True)(xg).backward()
+        got = [xg.grad, *(p.grad for p in block.parameters())]
+        tracedac.unwrap(block)
+        forward, backward = collectives(part.fw.graph), collectives(part.bw.graph)
+        breaks, difference = sum(counters["graph_break"].values()), cb.difference(got, want)
+        with check(f"compiled {name}"):
+            if name == "plain":
+                plain = forward, backward
+                assert backward == {
+                    "_c10d_functional.all_to_all_single.default": 2,
+                    "_c10d_functional.wait_tensor.default": 2,
+                }, backward
+                assert breaks == 0 and difference < 1e-5, (breaks, difference)
+                continue
+            assert (forward, backward) == plain, (name, (forward, backward), plain)
+            assert tags == {(CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_SAVE)}, (name, tags)
+            assert recomputed == [] and breaks == 0, (name, recomputed, breaks)
+            assert difference < 1e-5, (name, difference)
 
 
 @pytest.fixture(scope="module")
 def eager_ranks():
-    parts = [("moe", ()), ("all_reduce", ()), ("c10d", ()), ("outside", ()), ("refusals", ())]
-    return run_ranks(cw.several, 2, parts, timeout=120)
+    parts = [(eager, kind) for kind in PLAIN] + [(outside,), (refusals,)]
+    return run_parts(2, parts, timeout=120)
 
 
 @pytest.fixture(scope="module", params=[POLICIES[:2], POLICIES[2:]], ids=", ".join)
 def compiled_ranks(request):
     """Two policies per spawn (and the block compiled without checkpointing): under 30 s each."""
-    return request.param, run_ranks(cw.several, 2, [("compiled", (request.param,))], timeout=180)
+    return request.param, run_parts(2, [(compiled, request.param)], timeout=180)
 
 
 def test_the_moe_block_routes_with_uneven_splits_that_differ_between_ranks(eager_ranks):
     """What makes replay dangerous: each rank plans from its own shapes."""
-    sizes = [r["sizes"] for r in part(eager_ranks, "moe")]
-    assert all(len(set(send)) > 1 for send, _ in sizes), sizes
-    assert sizes[0] != sizes[1]
+    eager_ranks.passed("moe splits")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_checkpointed_moe_block_issues_as_many_all_to_alls_as_without_checkpointing(eager_ranks, policy):
     """Forward: the split sizes' all-to-all and the tokens' two; backward: the two tokens'
     gradients', none replayed. Gradients equal the block's without checkpointing."""
-    for r in part(eager_ranks, "moe"):
-        forward, backward = r["plain"]
-        assert forward == {"c10d_functional.all_to_all_single": 3}, forward
-        assert backward == {"c10d_functional.all_to_all_single": 2}, backward
-        assert r[policy][:2] == (forward, backward), r[policy]
-        assert r[policy][2] == 0.0, r[policy]
+    eager_ranks.passed(f"moe {policy}")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_an_all_reduce_in_a_region_runs_once_in_forward_and_once_in_backward(eager_ranks, policy):
     """The all-reduce's result is kept; backward's all-reduce is its gradient's, as without
     checkpointing."""
-    for r in part(eager_ranks, "all_reduce"):
-        forward, backward = r["plain"]
-        assert forward == backward == {"c10d_functional.all_reduce": 1}, r["plain"]
-        assert r[policy][:2] == (forward, backward), r[policy]
-        assert r[policy][2] == 0.0, r[policy]
+    eager_ranks.passed(f"all_reduce {policy}")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_an_in_place_torch_distributed_all_reduce_in_a_region_is_kept_not_lost(eager_ranks, policy):
     """c10d's schema hides the write: unrecorded, backward rebuilt the statistic from before
     the all-reduce (this rank's own sum) and the gradients were wrong on two ranks."""
-    for r in part(eager_ranks, "c10d"):
-        forward, backward = r["plain"]
-        assert forward == {"c10d.allreduce_": 1} and backward == {}, r["plain"]
-        assert r[policy][:2] == (forward, backward), r[policy]
-        assert r[policy][2] == 0.0, r[policy]
+    eager_ranks.passed(f"c10d {policy}")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -82,27 +238,19 @@ def test_a_region_takes_a_functional_collectives_async_result_made_outside_it(ea
     (a tensor subclass that waits at its first use): its own dispatch waits, and the region
     records the plain ops beneath it (docs/design.md, "Tensor subclasses"). Nothing is sent
     again; gradients are the uncheckpointed expert's."""
-    for r in part(eager_ranks, "outside"):
-        assert r["type"] == "AsyncCollectiveTensor", r["type"]
-        assert r[policy][:2] == r["plain"], (r["plain"], r[policy])
-        assert r[policy][2] == 0.0, r[policy]
+    eager_ranks.passed(f"outside {policy}")
 
 
 def test_a_policy_that_must_replay_a_collective_is_refused_with_why(eager_ranks):
     """Replaying is not offered: a rank's plan depends on its own shapes, so ranks could
     replay different collectives (and deadlock)."""
-    for r in part(eager_ranks, "refusals"):
-        message = r["must_recompute"]
-        assert "MUST_RECOMPUTE" in message and "a collective" in message, message
-        assert "PREFER_RECOMPUTE" in message, message
+    eager_ranks.passed("must replay")
 
 
 def test_a_collective_result_written_in_place_that_backward_needs_unwritten_is_refused(eager_ranks):
     """Rebuilding the value from before the write would run the all-reduce again: the region
     says so and how to avoid it, instead of sending it twice."""
-    for r in part(eager_ranks, "refusals"):
-        message = r["written"]
-        assert "all_reduce" in message and "clone()" in message, message
+    eager_ranks.passed("written")
 
 
 def test_a_compiled_moe_block_recomputes_no_collective_and_matches_eager(compiled_ranks):
@@ -111,19 +259,5 @@ def test_a_compiled_moe_block_recomputes_no_collective_and_matches_eager(compile
     block and recomputes none; no graph break; gradients equal eager without checkpointing (to
     1e-5: the compiled graph's decompositions sum in another order, 1e-6 off without
     checkpointing too)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    policies, results = compiled_ranks
-    for r in part(results, "compiled"):
-        plain = r["plain"]
-        assert plain[1] == {
-            "_c10d_functional.all_to_all_single.default": 2,
-            "_c10d_functional.wait_tensor.default": 2,
-        }, plain
-        assert plain[4] == 0 and plain[5] < 1e-5, plain
-        for policy in policies:
-            forward, backward, tags, recomputed, breaks, difference = r[policy]
-            assert (forward, backward) == plain[:2], (policy, r[policy])
-            assert tags == {(CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_SAVE)}, (policy, tags)
-            assert recomputed == [] and breaks == 0, (policy, r[policy])
-            assert difference < 1e-5, (policy, difference)
+    policies, ranks = compiled_ranks
+    ranks.passed("compiled plain", *(f"compiled {policy}" for policy in policies))

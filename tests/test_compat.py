@@ -74,7 +74,7 @@ def test_a_compiled_sharded_step_puts_the_parameters_back_either_way_and_trains_
 
     import tracedac.zero as zero
 
-    from .zero import workers as w
+    from .support import zero_model as w
 
     monkeypatch.setattr(_compat, "_VERSION", version)
     ref = zero.shard(w.model(tie=False))

@@ -19,9 +19,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import tracedac
-from benchmarks.probe import allocated_bytes
 from tracedac import policies
 from tracedac._compat import _VERSION
+
+from .support.probe import allocated_bytes
 
 POLICIES = {
     "recompute_all": policies.recompute_all(),

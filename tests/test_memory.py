@@ -12,11 +12,12 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import tracedac
-from benchmarks.probe import allocated_bytes as allocated
 from tracedac import checkpoint, policies
 from tracedac.policies.wrappers import OffloadKept
 from tracedac.region import reporting
 from tracedac.replay import compiled as replay_compiled
+
+from .support.probe import allocated_bytes as allocated
 
 MiB = 1 << 20
 N = (256, 1024)  # one activation: 1 MiB of fp32

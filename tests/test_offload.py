@@ -215,6 +215,36 @@ def test_a_result_changed_later_in_the_region_gives_the_gradient_of_the_state_sa
     torch.testing.assert_close(g, 3 * e + x.detach() * e, rtol=1e-6, atol=1e-6)
 
 
+def test_replay_starts_from_the_host_copy_of_a_later_state_and_runs_only_the_writes_after_it():
+    """A result written twice in the region: ``sin`` saves it after the first write (``add_``,
+    offloaded: its host copy is of state 1), ``cos`` after the second (``mul_``, replayed).
+    Backward wants states 1 and 2, so replay starts from the copy, at state 1, and runs the
+    writes after it: ``mul_`` once, ``add_`` and ``abs`` (which made the result) never. The
+    gradients are eager's (the same program without in-place writes: eager refuses this one).
+    Until this test no plan started a storage above its first state and then ran its writes."""
+    from .util import OpCounter
+
+    def f(x):
+        y = x.abs()  # state 0; abs's backward reads x, not y
+        y.add_(1)  # state 1: offloaded when sin saves it
+        a = y.sin()
+        y.mul_(2)  # state 2: replayed
+        b = y.cos()
+        return (a * b).sum()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    y1 = x.abs() + 1
+    (want,) = torch.autograd.grad((y1.sin() * (y1 * 2).cos()).sum(), x)
+    with reporting() as regions:
+        out = checkpoint(f, policy=policies.offload_ops(aten.add_))(x)
+    with OpCounter() as ops:
+        (got,) = torch.autograd.grad(out, x)
+    (graph,) = [r.graph for r in regions]
+    assert ("host", 1) in graph.plan.starts.values(), graph.plan.starts
+    assert ops.counts[aten.mul_] == 1 and ops.counts[aten.add_] == 0 and ops.counts[aten.abs] == 0, ops.counts
+    assert torch.equal(got, want)
+
+
 def test_a_saved_input_its_own_op_writes_is_read_after_the_write_as_in_eager():
     """rrelu writes its noise, an input autograd saved, without bumping the version counter:
     eager's backward reads the noise after the write. A copy taken when the noise was saved

@@ -22,7 +22,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tracedac
-from benchmarks.probe import allocated_bytes
 from tracedac import CheckpointError, checkpoint, policies
 from tracedac.inspect.saved import record
 from tracedac.inspect.tradeoff import _Region
@@ -31,6 +30,7 @@ from tracedac.offload import link
 from tracedac.policies import Link, placement
 from tracedac.policies.placement import place
 
+from .support.probe import allocated_bytes
 from .test_offload import args, block, run
 from .test_planners import Block
 
@@ -502,7 +502,7 @@ def test_zero_sharded_blocks_planned_to_offload_train_with_the_gradients_of_no_c
     gathered weights, a rebuilder's, never do)."""
     import tracedac.zero as zero
 
-    from .zero import workers as w
+    from .support import zero_model as w
 
     policy = policies.memory_budget(0.1, offload=FAST)
     policy = policies.offload_inputs(policy) if inputs else policy
@@ -525,23 +525,23 @@ def test_zero_sharded_blocks_planned_to_offload_train_with_the_gradients_of_no_c
 
 @pytest.mark.parametrize("inputs", [False, True], ids=["", "offload_inputs"])
 def test_moe_blocks_planned_to_offload_count_each_token_once_and_train_as_eager(world1, inputs):
-    """The MoE case (tests/zero/moe_workers.py): each block counts its tokens per expert in the
+    """The MoE case (tests/support/moe_model.py): each block counts its tokens per expert in the
     forward (a buffer written in the region) and the bias moves after each step. Sharded, each
     block under memory_budget(b, offload=...): losses, counts and bias step by step equal the
     uncheckpointed, unsharded model's (counts and bias exactly: each token counted once)."""
     import tracedac.zero as zero
 
-    from .zero import moe_workers as mw
+    from .support import moe_model as mw
 
     torch.manual_seed(0)
     oracle, model = mw.Model(), mw.Model()
     model.load_state_dict(oracle.state_dict())
-    want = mw._train(oracle, oracle, 0, 1, lambda t: t)
+    want = mw.train(oracle, oracle, 0, 1, lambda t: t)
     policy = policies.memory_budget(0.3, offload=Link(1e12, 1e9))
     for b in model.blocks:
         tracedac.checkpoint(b, policy=policies.offload_inputs(policy) if inputs else policy)
     zero.shard(model)
-    got = mw._train(model, model, 0, 1, lambda t: t)
+    got = mw.train(model, model, 0, 1, lambda t: t)
     for (loss, counts, bias), (got_loss, got_counts, got_bias) in zip(want, got, strict=True):
         assert abs(loss - got_loss) < 1e-6
         assert all(torch.equal(a, b) for a, b in zip(counts, got_counts, strict=True))

@@ -360,7 +360,7 @@ def test_from_the_second_step_the_forward_holds_only_what_the_plan_keeps():
     """The first recording holds what autograd saves until the plan is made at the region's
     end; from then on each node is decided as it is recorded, so what the plan drops is
     freed during the forward. Measured at the allocator, at the end of the forward."""
-    from benchmarks.probe import allocated_bytes
+    from .support.probe import allocated_bytes
 
     held = []
 

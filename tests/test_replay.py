@@ -128,6 +128,27 @@ def test_an_in_place_op_on_a_kept_result_reuses_it_instead_of_replaying_the_matm
     assert_same_grads(f, args, policy=policies.save_matmuls())
 
 
+@pytest.mark.parametrize(
+    "write, op",
+    [(lambda h: h.mul_(2), aten.mul_), (lambda h: h.add_(1), aten.add_)],
+    ids=["mul_(2)", "add_(1)"],
+)
+def test_a_non_idempotent_in_place_op_on_a_kept_result_is_not_run_again(write, op):
+    """The kept storage holds the write's result: run again on it, ``relu_`` changes nothing (only
+    the op count above shows it), but ``mul_(2)`` doubles and ``add_(1)`` shifts the value the
+    gradients are computed from."""
+
+    def f(x, w):
+        h = x @ w
+        write(h)
+        return (h * h).sum()
+
+    args = (torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True))
+    counts, _ = replayed(f, *args, policy=policies.save_matmuls())
+    assert counts[aten.mm] == 2 and counts[op] == 0
+    assert_same_grads(f, args, policy=policies.save_matmuls())
+
+
 @pytest.mark.parametrize("policy", [None, policies.save_matmuls(), policies.save_all()])
 def test_writes_through_views_and_slice_assignment_replay_exactly(policy):
     def f(x, w):

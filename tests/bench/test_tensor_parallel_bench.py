@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from benchmarks import tensor_parallel as tp
-from tests.zero.spawn import run_ranks
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
 

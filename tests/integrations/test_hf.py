@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import tracedac
-from benchmarks.probe import allocated_bytes
 from tracedac import CheckpointError, policies
 from tracedac.integrations import hf
 from tracedac.policies.plan_cache import plans
 from tracedac.region import current_region, reporting
 
 from ..support.hf_models import ARCHITECTURES, batch, build, loss, needs_switch
+from ..support.probe import allocated_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecated aliases
 

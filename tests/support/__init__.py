@@ -1,8 +1,18 @@
-"""Fixtures shared by test files in different folders, that no benchmark uses.
+"""What test files in several folders share, and what the tests need of measuring code.
 
-The dependency runs one way: tests -> benchmarks -> tracedac. Measurement tools and models
-of the benchmarks (``benchmarks.probe``, ``benchmarks.model``, ``benchmarks.collectives``,
-the HF builders of ``benchmarks.hf``) stay in ``benchmarks/`` and tests import them from
-there; what only tests use (e.g. ``hf_models``: the HF builders at the tests' tiny sizes)
-lives here. Nothing in ``benchmarks/`` or ``tracedac/`` imports ``tests``.
+- ``ranks``: a function on N ranks of a real gloo process group (file init, hard timeouts),
+  and checks that rank functions make where they compute (``check``, ``run_parts``).
+- ``zero_model``, ``zero_logs``: the model the ZeRO-3 tests train and logs of what
+  ``tracedac.zero`` sends to its process group.
+- ``collective_blocks``, ``tp_block``: blocks that talk to other ranks inside a region
+  (expert parallel all-to-alls, all-reduces, torch's tensor and sequence parallel).
+- ``compiled_graphs``: the graphs AOTAutograd hands its compilers, and counts of tracedac's
+  ops in them.
+- ``moe_model``: an MoE with a load-balancing bias (the Llama 4 / DeepSeek case).
+- ``hf_models``: tiny transformers models; ``probe``: bytes in use at glibc's allocator.
+
+The dependencies run one way: tests -> tracedac, and tests/bench -> benchmarks -> tracedac.
+No test outside tests/bench imports ``benchmarks`` (measuring code the tests need too, the
+allocator probe and the HF builders, they hold a small copy of), and nothing in
+``benchmarks/`` or ``tracedac/`` imports ``tests``.
 """

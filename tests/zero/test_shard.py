@@ -18,39 +18,40 @@ from tracedac import policies
 from tracedac.region import reporting
 from tracedac.zero.module import sharded
 
-from . import workers as w
+from ..support import zero_model as zm
+from ..support.zero_logs import GatherLog
 
 
 def test_shard_without_a_process_group_says_how_to_make_one():
     assert not dist.is_initialized()
     with pytest.raises(zero.ZeroError, match="init_process_group"):
-        zero.shard(w.model())
+        zero.shard(zm.model())
 
 
 def test_bad_arguments_are_refused_with_what_to_pass(world1):
     with pytest.raises(TypeError, match="nn.Module"):
         zero.shard("model")
     with pytest.raises(ValueError, match="matched no submodule.*Block"):
-        zero.shard(w.model(), units=nn.Conv2d)
+        zero.shard(zm.model(), units=nn.Conv2d)
     with pytest.raises(TypeError, match="units"):
-        zero.shard(w.model(), units="blocks")
+        zero.shard(zm.model(), units="blocks")
     with pytest.raises(TypeError, match="units"):
-        zero.shard(w.model(), units=(w.Block, int))
+        zero.shard(zm.model(), units=(zm.Block, int))
     with pytest.raises(TypeError, match="MixedPrecision"):
-        zero.shard(w.model(), mixed_precision=torch.bfloat16)
+        zero.shard(zm.model(), mixed_precision=torch.bfloat16)
     with pytest.raises(TypeError, match="param_dtype"):
         zero.MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(TypeError, match="timeout"):
-        zero.shard(w.model(), timeout=-1)
+        zero.shard(zm.model(), timeout=-1)
     with pytest.raises(TypeError, match="group"):
-        zero.shard(w.model(), group="world")
+        zero.shard(zm.model(), group="world")
     with pytest.raises(zero.ZeroError, match="float32"):
-        zero.shard(w.model().to(torch.bfloat16))
-    m = zero.shard(w.model())
+        zero.shard(zm.model().to(torch.bfloat16))
+    m = zero.shard(zm.model())
     with pytest.raises(zero.ZeroError, match="already sharded"):
         zero.shard(m)
     with pytest.raises(zero.ZeroError, match="not sharded"):
-        zero.full_state_dict(w.model())
+        zero.full_state_dict(zm.model())
     with pytest.raises(zero.ZeroError, match="missing keys"):
         zero.load_full_state_dict(m, {})
 
@@ -58,8 +59,8 @@ def test_bad_arguments_are_refused_with_what_to_pass(world1):
 def test_parameters_keep_their_names_and_are_dtensor_shards_viewing_one_buffer_per_group(world1):
     from torch.distributed.tensor import DTensor, Shard
 
-    ref = w.model()
-    m = zero.shard(w.model())
+    ref = zm.model()
+    m = zero.shard(zm.model())
     assert [n for n, _ in m.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert list(m.state_dict()) == list(ref.state_dict())
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
@@ -75,20 +76,20 @@ def test_parameters_keep_their_names_and_are_dtensor_shards_viewing_one_buffer_p
 
 
 def test_units_can_be_chosen_by_class_or_predicate(world1):
-    m = zero.shard(w.model(), units=w.Block)
+    m = zero.shard(zm.model(), units=zm.Block)
     assert [u.name for u in m._tracedac_zero.units] == ["", "blocks.0", "blocks.1", "blocks.2"]
-    m = zero.shard(w.model(), units=lambda name, mod: name == "head")
+    m = zero.shard(zm.model(), units=lambda name, mod: name == "head")
     assert [u.name for u in m._tracedac_zero.units] == ["", "head"]
 
 
 @pytest.mark.parametrize("where", ["plain", "wrap-before", "wrap-after", "inside-unit"])
 def test_one_rank_trains_exactly_as_the_unsharded_model(world1, where):
-    assert w.equivalence(0, 1, (where,))[where] < 1e-5
+    assert zm.equivalence(0, 1, (where,))[where] < 1e-5
 
 
 def _gather_decisions(policy):
-    m = tracedac.wrap(zero.shard(w.model()), w.Block, policy=policy)
-    x, y = w.data(0)
+    m = tracedac.wrap(zero.shard(zm.model()), zm.Block, policy=policy)
+    x, y = zm.data(0)
     with reporting() as regions:
         loss = F.mse_loss(m(x), y)
     ops = {torch.ops.tracedac.all_gather.default}
@@ -103,7 +104,7 @@ def test_gather_nodes_are_recompute_by_default_and_a_policy_may_keep_them(world1
     loss.backward()
     m, loss, decisions = _gather_decisions(policies.save_ops(torch.ops.tracedac.all_gather))
     assert decisions == {CheckpointPolicy.MUST_SAVE}
-    log = w.GatherLog()
+    log = GatherLog()
     try:
         loss.backward()
     finally:
@@ -113,8 +114,8 @@ def test_gather_nodes_are_recompute_by_default_and_a_policy_may_keep_them(world1
 
 
 def test_gather_release_and_reduce_scatter_are_nodes_in_a_traced_graph(world1):
-    m = zero.shard(w.model())
-    x, _ = w.data(0)
+    m = zero.shard(zm.model())
+    x, _ = zm.data(0)
     gm = make_fx(lambda x: m(x))(x)
     targets = {str(n.target) for n in gm.graph.nodes}
     assert {"tracedac.all_gather.default", "tracedac.release.default"} <= targets
@@ -127,7 +128,7 @@ def test_gather_release_and_reduce_scatter_are_nodes_in_a_traced_graph(world1):
 def test_fake_implementations_give_the_real_shapes(world1):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    m = zero.shard(w.model(), mixed_precision=zero.MixedPrecision())
+    m = zero.shard(zm.model(), mixed_precision=zero.MixedPrecision())
     flats = m._tracedac_zero.all_groups
     with FakeTensorMode() as mode:
         for f in flats:
@@ -143,9 +144,9 @@ def test_bf16_gradients_reduced_in_bf16_are_upcast_into_fp32_shard_grads(world1)
     """reduce_dtype=bf16: the reduce-scatter moves bf16 and accumulate_ adds it into fp32 .grad.
     One rank sends nothing but still reduces in bf16: the LayerNorms' gradients, computed in
     fp32 (autocast runs the norm in fp32), hold bf16 values, which the unsharded model's do not."""
-    ref = w.model()
-    m = zero.shard(w.model(), mixed_precision=zero.MixedPrecision(reduce_dtype=torch.bfloat16))
-    x, y = w.data(0)
+    ref = zm.model()
+    m = zero.shard(zm.model(), mixed_precision=zero.MixedPrecision(reduce_dtype=torch.bfloat16))
+    x, y = zm.data(0)
     F.mse_loss(ref(x), y).backward()
     F.mse_loss(m(x), y).backward()
     grads = {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
@@ -164,7 +165,7 @@ def test_one_ranks_reduce_scatter_is_the_cast_and_its_adjoint_the_identity(world
     """``tracedac::reduce_scatter`` with one rank: this rank's part of a sum over one rank,
     divided by one, is the gradient itself in the reduce dtype, a buffer of its own; its
     backward (what a gradient with a graph of its own differentiates) passes the cotangent on."""
-    m = zero.shard(w.model())
+    m = zero.shard(zm.model())
     flat = m._tracedac_zero.all_groups[0]
     g = torch.randn(flat.shard_numel, dtype=torch.bfloat16, requires_grad=True)
     part = torch.ops.tracedac.reduce_scatter(g, flat.key)
@@ -216,12 +217,12 @@ def test_a_model_whose_root_has_no_parameters_shards_trains_and_counts_its_passe
 
 @pytest.mark.parametrize("where", ["plain", "inside-unit"])
 def test_each_backward_of_a_retained_graph_gathers_each_group_once_and_frees_it(world1, where):
-    m = w.with_checkpoint(w.model(), where)
-    x, y = w.data(0)
+    m = zm.with_checkpoint(zm.model(), where)
+    x, y = zm.data(0)
     loss = F.mse_loss(m(x), y)
     counts = []
     for _ in range(2):
-        log = w.GatherLog()
+        log = GatherLog()
         try:
             loss.backward(retain_graph=True)
         finally:
@@ -229,9 +230,9 @@ def test_each_backward_of_a_retained_graph_gathers_each_group_once_and_frees_it(
         counts.append(dict(log.counts))
         assert log.alive() == 0, "a gathered buffer outlived the backward that needed it"
     assert counts[0] == counts[1] and counts[0]
-    once = w.model()
+    once = zm.model()
     F.mse_loss(once(x), y).backward()
-    torch.testing.assert_close(w.full_grads(m), 2 * w.flat_grads(once))
+    torch.testing.assert_close(zm.full_grads(m), 2 * zm.flat_grads(once))
 
 
 def test_recompute_by_default_names_the_gather_and_refuses_a_packet():
@@ -242,19 +243,19 @@ def test_recompute_by_default_names_the_gather_and_refuses_a_packet():
 
 def test_nested_units_each_gather_their_own_parameters(world1):
     """units=(Block, nn.Linear): the Linears inside a block are units of their own."""
-    ref, _ = w.reference()
-    m = zero.shard(w.model(), units=(w.Block, nn.Linear))
+    ref, _ = zm.reference()
+    m = zero.shard(zm.model(), units=(zm.Block, nn.Linear))
     names = [u.name for u in m._tracedac_zero.units]
     assert {"", "embed", "blocks.0", "blocks.0.lin1", "blocks.1.lin2"} <= set(names)
-    w.train(m, 0, 1)
-    assert w.max_diff(zero.full_state_dict(m), ref) < 1e-5
+    zm.train(m, 0, 1)
+    assert zm.max_diff(zero.full_state_dict(m), ref) < 1e-5
 
 
 def test_gradients_dropped_or_zeroed_by_the_user_between_backwards_accumulate_as_torch(world1):
     """Some .grad set to None, some zeroed in place: the next backward adds parameter by
     parameter (the one-buffer fast path no longer applies) and equals torch's."""
-    ref, m = w.model(), zero.shard(w.model())
-    x, y = w.data(0)
+    ref, m = zm.model(), zero.shard(zm.model())
+    x, y = zm.data(0)
     for model in (ref, m):
         F.mse_loss(model(x), y).backward()
     for model in (ref, m):
@@ -277,9 +278,9 @@ def test_zero_grad_set_to_none_frees_the_gradient_shards_and_accumulation_still_
     Without ``zero_grad`` the next backward still adds into the same buffer, once per group."""
     from tracedac.zero import group as zgroup
 
-    ref, m = w.model(tie=False), zero.shard(w.model(tie=False))
+    ref, m = zm.model(tie=False), zero.shard(zm.model(tie=False))
     opt = torch.optim.AdamW(m.parameters())
-    x, y = w.data(0)
+    x, y = zm.data(0)
     F.mse_loss(m(x), y).backward()
     grads = [p.grad for p in m.parameters() if p.grad is not None]
     storages = {g._local_tensor.untyped_storage()._cdata: g._local_tensor.untyped_storage() for g in grads}
@@ -441,12 +442,12 @@ def test_one_rank_prefetches_nothing_and_gathers_by_a_cast_without_a_collective(
     unconsumed prefetch two ranks drain is tests/zero/test_distributed.py's. Gradients equal
     the unsharded model's, skipped layers and all."""
     torch.manual_seed(0)
-    ref = w.Skipping()
-    m = zero.shard(w.Skipping())
+    ref = zm.Skipping()
+    m = zero.shard(zm.Skipping())
     zero.load_full_state_dict(m, ref.state_dict())
     x = torch.randn(3, 4)
     z = m._tracedac_zero
-    log = w.GatherLog()
+    log = GatherLog()
     try:
         for skip in (None, 2, 0):  # learns the order, then leaves it
             for mod in (m, ref):
@@ -474,9 +475,9 @@ def test_one_rank_compiles_auto_mixed_precision_in_process_clips_and_reads_full_
     unsharded gradients, and ``full_parameters`` the unsharded values."""
     import torch._dynamo
 
-    ref = w.model(tie=False)
-    m = zero.shard(w.model(tie=False), mixed_precision=zero.MixedPrecision("auto"))
-    x, y = w.data(0)
+    ref = zm.model(tie=False)
+    m = zero.shard(zm.model(tie=False), mixed_precision=zero.MixedPrecision("auto"))
+    x, y = zm.data(0)
     compiled_model = torch.compile(m, fullgraph=True, backend="aot_eager_decomp_partition")
     with torch.autocast("cpu", torch.bfloat16):
         eager = F.mse_loss(m(x), y)  # "auto" decides its dtypes from this first forward

@@ -1,23 +1,18 @@
-"""The Llama 4 / DeepSeek case on each rank (imported by spawned processes: top-level).
+"""The Llama 4 / DeepSeek case: an MoE block with auxiliary-loss-free load balancing, for
+tests/zero/test_moe_compile.py and tests/test_offload_planner.py.
 
-An MoE block with auxiliary-loss-free load balancing: ``expert_bias`` (a buffer) shifts the
-router's top-k choice only, the block counts ``tokens_per_expert`` in its forward, and after
-the optimizer step the bias moves toward the under-used experts, ``bias += rate *
-sign(mean(counts) - counts)``, from the counts summed over ranks. Each block is checkpointed
-by tracedac, the model sharded by ``zero.shard`` and each block compiled with
-``fullgraph=True`` (torchtitan's order). The oracle: the same model unsharded, uncheckpointed,
-eager, on the whole batch, step by step.
+``expert_bias`` (a buffer) shifts the router's top-k choice only, the block counts
+``tokens_per_expert`` in its forward, and after the optimizer step the bias moves toward the
+under-used experts, ``bias += rate * sign(mean(counts) - counts)``, from the counts summed over
+ranks (``reduce``). The oracle of a test: the same model unsharded, uncheckpointed, eager, on
+the whole batch, step by step (``train(oracle, oracle, 0, 1, lambda t: t)``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-import tracedac
-import tracedac.zero as zero
 
 D, E, H, K = 16, 4, 24, 2  # width, experts, expert hidden, experts per token
 BATCH, STEPS, RATE = 16, 4, 1e-2
@@ -74,7 +69,9 @@ def _update_bias(model, reduce) -> None:
             b.tokens_per_expert.zero_()
 
 
-def _train(model, call, rank, world, reduce):
+def train(model, call, rank, world, reduce):
+    """Per step: (the loss of the whole batch, the token counts summed by ``reduce`` over ranks,
+    the bias after the step)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per = BATCH // world
     out = []
@@ -90,41 +87,3 @@ def _train(model, call, rank, world, reduce):
             (reduce(loss.detach()).item() / world, counts, [b.expert_bias.clone() for b in model.blocks])
         )
     return out
-
-
-def llama4_case(rank, world, backend="aot_eager_decomp_partition"):
-    """Per step (loss, counts, bias) of the eager oracle and of the sharded, checkpointed,
-    compiled model; dynamo's graph breaks and graphs; the tracedac ops in the blocks' graphs."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    torch.manual_seed(0)
-    oracle = Model()
-    model = Model()
-    model.load_state_dict(oracle.state_dict())
-    want = _train(oracle, oracle, 0, 1, lambda t: t)
-
-    for b in model.blocks:
-        tracedac.checkpoint(b)
-    zero.shard(model)
-    torch._dynamo.reset()
-    counters.clear()
-    seen: set = set()
-
-    def keep_ops(gm, example_inputs):  # the graphs dynamo hands the backend: their tracedac ops
-        seen.update(
-            str(n.target).removesuffix(".default")
-            for n in gm.graph.nodes
-            if str(n.target).startswith("tracedac.")
-        )
-        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
-
-    for b in model.blocks:
-        b.compile(fullgraph=True, backend=keep_ops)
-
-    def reduce(t):
-        dist.all_reduce(t)
-        return t
-
-    got = _train(model, model, rank, world, reduce)
-    return want, got, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"], seen
