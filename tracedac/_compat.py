@@ -24,6 +24,7 @@ __all__ = [
     "is_wrapper_subclass_type",
     "op_effect",
     "optimization_hint",
+    "owners",
     "place_inside_fsdp_hooks",
     "prepend_forward_pre_hook",
     "process_group_named",
@@ -194,6 +195,12 @@ def op_effect(op):
     if get is not None:
         return get(op)
     return getattr(effects, "SIDE_EFFECTS", {}).get(op)
+
+
+def owners(t: torch.Tensor) -> int:
+    """How many references hold ``t``'s TensorImpl (its Python object is one; a collective's
+    work holding it, another): ``Tensor._use_count``, there since torch 1.x."""
+    return t._use_count()
 
 
 def dynamo_off():

@@ -23,6 +23,7 @@ from .op_info import _INFO, op_info
 from .op_info import storage_address as _address
 from .subclasses import check_replayable, decline, has_subclass
 from .undeclared_writes import writes_now
+from .unwaited import wait_issued
 
 __all__ = ["TracerMode", "deciding", "unrecorded"]
 
@@ -429,12 +430,14 @@ class TracerMode(TorchDispatchMode):
         if region.reads_values:  # a policy that reads the op's values (``deciding``): torch's SAC
             outer = _local.__dict__.get("call")  # (a policy's own ops deciding in another region)
             _local.call = (node, args, kwargs, out)
-            try:
-                keep = region.decide(node)
-            finally:
-                _local.call = outer  # holds the op's tensors: never past the decision
-        else:
+        try:
             keep = region.decide(node)
+        except Exception as e:  # a refusal: the collective the op issued must not outlive it
+            wait_issued(func, out, e)
+            raise
+        finally:
+            if region.reads_values:
+                _local.call = outer  # holds the op's tensors: never past the decision
         if not keep:
             return out
         # Held as the program's own tensors for now: a detach() down here, below autograd,
