@@ -40,8 +40,8 @@ handles replay fills outlive the call.
 
 On by default for passes on CUDA devices, off on the CPU (measured with ``fusion="all"``, before
 "exact" was the default: on an H100 a bf16 Llama step took 0.84x the time of op-by-op replay
-under ``recompute_all`` and 0.82x under ``save_matmuls``; on a 2-core CPU, where kernels dominate, no gain the noise hid:
-docs/benchmarks.md). ``tracedac.compiled_replay(True)`` / ``False`` (or
+under ``recompute_all`` and 0.82x under ``save_matmuls``; on a 2-core CPU, where kernels
+dominate, no gain the noise hid: docs/benchmarks.md). ``tracedac.compiled_replay(True)`` / ``False`` (or
 ``TRACEDAC_COMPILED_REPLAY=1`` / ``0``) turns it on or off for every device; ``"cuda"`` is
 the default. ``compiled_replay(fusion="exact" | "all")`` (or
 ``TRACEDAC_COMPILED_REPLAY_FUSION``) chooses what inductor may fuse; ``"exact"`` is the default.
@@ -290,6 +290,14 @@ def _is_number(a, *values) -> bool:
     return isinstance(a, tuple) and bool(a) and a[0] == "num" and (not values or a[2] in values)
 
 
+def _dtype(ref):
+    return ref[2] if ref[0] == "i" else ref[3]
+
+
+def _ndim(ref) -> int:
+    return len(ref[3] if ref[0] == "i" else ref[4])
+
+
 def _arg(args, kwargs, i: int, name: str):
     """Argument ``name`` (position ``i``) of a structure part, or None where it was left out."""
     if i < len(args):
@@ -297,24 +305,68 @@ def _arg(args, kwargs, i: int, name: str):
     return dict(kwargs).get(name)
 
 
+_WIDE = (torch.float32, torch.float64)
+
+
+def _operands_exact(operands) -> bool:
+    """Tensors of one dtype, and numbers only beside float32/float64 ones. Mixed dtypes promote,
+    and eager and inductor do not promote alike (eager casts a 0-dim float32 tensor to a bf16
+    operand's dtype before the op). A number beside a bf16/fp16 tensor is rounded to that dtype
+    by some of eager's kernels (CPU ``add``: bf16 x + 0.1 adds bf16(0.1)) and not by others
+    (``mul``), while inductor keeps it in float32: seen on the CPU, x + 0.1 differed."""
+    tensors = [a for a in operands if _is_tensor(a)]
+    if not tensors or len({_dtype(t) for t in tensors}) != 1:
+        return False
+    numbers = [a for a in operands if not _is_tensor(a)]
+    return all(_is_number(a) for a in numbers) and (not numbers or _dtype(tensors[0]) in _WIDE)
+
+
+def _arithmetic(args, kwargs) -> bool:
+    return len(args) >= 2 and _operands_exact(args[:2])
+
+
 def _alpha_one(args, kwargs) -> bool:
     # eager computes a + alpha * b in one kernel (an FMA on CUDA, where nvcc contracts it);
     # with alpha 1 that is a + b, one rounding whichever way it is computed
     alpha = _arg(args, kwargs, 2, "alpha")
-    return alpha is None or _is_number(alpha, 1)
+    return _arithmetic(args, kwargs) and (alpha is None or _is_number(alpha, 1))
 
 
 def _divides_by_a_tensor(args, kwargs) -> bool:
     # eager's CUDA kernel divides by a number (or a 0-dim CPU tensor) as a multiplication by
     # its reciprocal, computed in float; inductor's reciprocal is computed in double: another
     # rounding. A tensor with dimensions is divided by in both, correctly rounded.
-    d = args[1] if len(args) > 1 else None
-    return _is_tensor(d) and len(d[4] if d[0] == "n" else d[3]) > 0
+    return _arithmetic(args, kwargs) and _is_tensor(args[1]) and _ndim(args[1]) > 0
 
 
 def _squares(args, kwargs) -> bool:
     # eager's pow kernels compute x ** 2 as x * x, as inductor does; other exponents differ
     return len(args) > 1 and _is_number(args[1], 2)
+
+
+def _float_cast(args, kwargs) -> bool:
+    # float to float rounds to nearest even in both; to an integer, NaN and infinities have
+    # no value and each kernel makes its own
+    dtype = dict(kwargs).get("dtype")
+    return (
+        set(dict(kwargs)) <= {"dtype"}
+        and len(args) == 1
+        and isinstance(dtype, torch.dtype)
+        and dtype.is_floating_point
+        and _dtype(args[0]).is_floating_point
+    )
+
+
+def _one_dtype(tensors) -> bool:
+    return all(_is_tensor(t) for t in tensors) and len({_dtype(t) for t in tensors}) == 1
+
+
+def _where_one_dtype(args, kwargs) -> bool:
+    return len(args) == 3 and _one_dtype(args[1:])
+
+
+def _cat_one_dtype(args, kwargs) -> bool:
+    return bool(args) and args[0][0] == "list" and _one_dtype(args[0][1:])
 
 
 def _only(*names):
@@ -331,12 +383,12 @@ def _always(args, kwargs) -> bool:
 def _exact_ops() -> dict:
     """op -> check(args, kwargs): the ops inductor may generate code for under fusion="exact",
     each where its generated code computes eager's kernel's bits. Each is data movement or one
-    correctly rounded IEEE operation (no FMA contraction; bf16/fp16 rounded after every op:
-    ``_compat.inductor_exact_options``). Not here, so run by eager's kernel: reductions (their
-    order is the kernel's), norms and softmax (eager's fused kernels), exp/log/erf/tanh/sigmoid
-    and what is built on them (eager's vector routines are not inductor's), ``relu``/
-    ``clamp``/``maximum`` (NaN and signed-zero rules), sqrt/rsqrt, matmuls, attention.
-    docs/design.md, "Compiled replay: bits", says why for each."""
+    correctly rounded IEEE operation on operands of one dtype (no FMA contraction; bf16/fp16
+    rounded after every op: ``_compat.inductor_exact_options``). Not here, so run by eager's
+    kernel: reductions (their order is the kernel's), norms and softmax (eager's fused
+    kernels), exp/log/erf/tanh/sigmoid and what is built on them (eager's vector routines are
+    not inductor's), ``relu``/``clamp``/``maximum`` (NaN and signed-zero rules), sqrt/rsqrt,
+    matmuls, attention. docs/design.md, "Compiled replay: bits", says why for each."""
     aten = torch.ops.aten
     views = [
         aten.as_strided.default,
@@ -357,12 +409,12 @@ def _exact_ops() -> dict:
     table = dict.fromkeys(views, _always)
     table.update(
         {
-            aten.cat.default: _always,
+            aten.cat.default: _cat_one_dtype,
             aten.clone.default: _only(),  # (a memory_format would choose another layout)
-            aten._to_copy.default: _only("dtype"),  # a cast rounds to nearest even in both
-            aten.where.self: _always,
+            aten._to_copy.default: _float_cast,
+            aten.where.self: _where_one_dtype,
             aten.neg.default: _always,
-            aten.mul.Tensor: _always,
+            aten.mul.Tensor: _arithmetic,
             aten.add.Tensor: _alpha_one,
             aten.sub.Tensor: _alpha_one,
             aten.div.Tensor: _divides_by_a_tensor,
