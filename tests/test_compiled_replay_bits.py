@@ -63,29 +63,35 @@ def _bitwise_as_reference(model, reference, loss_fn, steps=3):
     return s
 
 
-def _block(dtype):
+def _block(dtype, device="cpu"):
     torch.manual_seed(0)
-    x = torch.randn(4, 16, dtype=dtype)
-    return nn.Sequential(Block(), Block()).to(dtype), Block, lambda m: m(x).float().square().sum()
+    x = torch.randn(4, 16, dtype=dtype, device=device)
+    model = nn.Sequential(Block(), Block()).to(device, dtype)
+    return model, Block, lambda m: m(x).float().square().sum()
 
 
-def _llama(dtype):
+def _tokens(device):
+    ids = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(1)).to(device)
+    return ids[:, :-1], ids[:, 1:]  # [2, 16] inputs, their next tokens
+
+
+def _llama(dtype, device="cpu"):
     from benchmarks.llama import DecoderLayer, Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab=64, layers=2, dim=32, heads=2, mlp_hidden=64, batch=2, seq=16)
-    ids = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(1))
-    return Llama.seeded(cfg).to(dtype), DecoderLayer, lambda m: m(ids[:, :-1], ids[:, 1:])
+    ids, targets = _tokens(device)
+    return Llama.seeded(cfg).to(device, dtype), DecoderLayer, lambda m: m(ids, targets)
 
 
-def _moe(dtype):
+def _moe(dtype, device="cpu"):
     from benchmarks.model import GPT, Config
     from benchmarks.model import Block as MoEBlock
 
     cfg = Config(
         vocab=64, layers=2, dim=32, heads=2, experts=4, expert_hidden=32, batch=2, seq=16, dropout=0.0
     )
-    ids = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(1))
-    return GPT.seeded(cfg).to(dtype), MoEBlock, lambda m: m(ids[:, :-1], ids[:, 1:])
+    ids, targets = _tokens(device)
+    return GPT.seeded(cfg).to(device, dtype), MoEBlock, lambda m: m(ids, targets)
 
 
 MODELS = {"layer norm and GELU blocks": _block, "Llama": _llama, "MoE GPT": _moe}
@@ -332,8 +338,7 @@ def test_on_cuda_by_default_replay_runs_compiled_and_gives_no_checkpointings_bit
     (Triton's code under exact fusion: no FMA contraction, division rounded as eager's,
     subnormals kept). A failure here means exact fusion is not exact on this device: the
     default must then replay op by op on it (docs/design.md, "Compiled replay: bits")."""
-    plain, layer, loss_fn = MODELS[model](dtype)
-    plain = plain.cuda()
+    plain, layer, loss_fn = MODELS[model](dtype, "cuda")
     reference = _grads(plain, loss_fn)
     again = _grads(plain, loss_fn)
     for a, b in zip(again, reference, strict=True):
