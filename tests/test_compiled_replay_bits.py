@@ -272,6 +272,21 @@ def test_marking_layer_norm_and_gelu_would_be_inexact_and_is_caught(defaults, mo
     assert s.get("refused:inexact") == 1 and "runs" not in s, s
 
 
+def test_a_torch_without_inductors_lite_mode_replays_op_by_op(defaults, monkeypatch):
+    """Exact fusion needs lite mode (torch 2.10 on) to keep eager's kernels; without it no
+    program is compiled, and replay stays exact."""
+    monkeypatch.setattr(compiled._compat, "inductor_exact_options", lambda: None)
+    plain, layer, loss_fn = _block(torch.float32)
+    reference = _grads(plain, loss_fn)
+    tracedac.compiled_replay(True)
+    wrapped = tracedac.wrap(copy.deepcopy(plain), layer, policies.recompute_all())
+    for _ in range(2):
+        for a, b in zip(_grads(wrapped, loss_fn), reference, strict=True):
+            assert_bitwise(a, b)
+    # 2 steps of 2 layers: refused on the structure's second sight, op by op everywhere
+    assert compiled.stats() == {"eager": 3, "refused:no inductor lite mode in this torch": 1}
+
+
 def test_full_fusion_is_the_opt_in_within_rounding_with_programs_of_its_own(defaults):
     """fusion="all" lets inductor fuse layer norm and GELU: faster where they dominate, and
     within rounding of eager only. A program compiled under one fusion never serves the other."""

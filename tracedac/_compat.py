@@ -263,17 +263,22 @@ _EXACT_INDUCTOR = {
 _EXACT_REQUIRED = ("fallback_by_default", "selective_decompose", "trace.provenance_tracking_level")
 
 
-@functools.cache
 def inductor_exact_options() -> dict | None:
-    """The inductor options of ``_EXACT_INDUCTOR`` this torch knows, or None where it lacks
-    lite mode (``fallback_by_default``, ``selective_decompose``): without them a compiled
-    program could not keep eager's kernels for the ops it must not fuse."""
+    """The inductor options of ``_EXACT_INDUCTOR`` this torch knows (a fresh dict), or None
+    where it lacks lite mode (``fallback_by_default``, ``selective_decompose``): without them a
+    compiled program could not keep eager's kernels for the ops it must not fuse."""
+    known = _inductor_exact_known()
+    return None if known is None else {k: _EXACT_INDUCTOR[k] for k in known}
+
+
+@functools.cache
+def _inductor_exact_known() -> tuple | None:
     from torch._inductor import config
 
     known = config.get_config_copy()
     if not all(k in known for k in _EXACT_REQUIRED):
         return None
-    return {k: v for k, v in _EXACT_INDUCTOR.items() if k in known}
+    return tuple(k for k in _EXACT_INDUCTOR if k in known)
 
 
 def inductor_cache_tag(tag: str):
