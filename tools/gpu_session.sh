@@ -19,10 +19,10 @@
 #              means exact fusion is not exact on this GPU: the CUDA default must then replay op
 #              by op (docs/design.md, "Compiled replay: bits").
 #   replay_fusion  (not in the default STAGES: name it) the cost of exact fusion: --llama's
-#              compiled-replay rows and their op-by-op rows, once with the default exact fusion
-#              and once with TRACEDAC_COMPILED_REPLAY_FUSION=all (what the 0.84x / 0.82x of
-#              docs/gpu.md measured). Look for: step ms of "compiled replay" under exact against
-#              all and against "op by op"; max |grad diff| 0 under exact, nonzero under all.
+#              recompute_all and save_matmuls rows op by op, compiled (exact fusion, the default)
+#              and compiled fusing all (the _all rows: what the 0.84x / 0.82x of docs/gpu.md
+#              measured), in turns in one run. Look for: step ms of "compiled replay" against
+#              "compiled replay fusing all" and "op by op"; max |grad diff| 0 except the _all rows.
 #   profile    python -m benchmarks --profile --llama --device cuda
 #   zero_profile  tools/zero_profile.py: a compiled ZeRO bf16 "auto" step against FSDP2's under
 #              the same autocast, one rank, under torch.profiler (not in the default STAGES:
@@ -127,10 +127,10 @@ stage zero 45 python3 -m benchmarks --zero --device $DEV $QUICK $ZERO_SIZE --jso
 stage gpu_tests 50 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS
 # issue 46: bitwise replay on CUDA (each test compiles one structure: seconds each, hence its own stage)
 stage replay_bits 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_compiled_replay_bits.py
-FUSION_ROWS=none,tracedac_recompute_all,tracedac_compiled_replay,tracedac_save_matmuls,tracedac_save_matmuls_cr
-stage replay_fusion 200 bash -c "for f in exact all; do echo \"== fusion \$f\"; \
-  TRACEDAC_COMPILED_REPLAY_FUSION=\$f python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 \
-  --only $FUSION_ROWS --json $W/llama_fusion_\$f.json; done"
+FUSION=none,torch,tracedac_recompute_all,tracedac_compiled_replay,tracedac_compiled_replay_all,\
+tracedac_save_matmuls,tracedac_save_matmuls_cr,tracedac_save_matmuls_cr_all
+stage replay_fusion 150 python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 --only "$FUSION" \
+  --json "$W/llama_fusion.json"
 stage profile 40 python3 -m benchmarks --profile --llama --device $DEV $QUICK --json "$W/profile.json"
 # last: it compiles the most (each tracedac block, both precisions, and FSDP2's; since 2026-11-27
 # it compiles on the image's torch 2.11 rather than refusing, so it needs the time: about five
