@@ -21,16 +21,17 @@ Per variant:
 The variants. Eager: no checkpoint; ``torch.utils.checkpoint``; torch's selective checkpoint
 keeping matmuls and attention; tracedac ``recompute_all``, ``save_matmuls`` and
 ``memory_budget(0.5)``, each also with compiled replay (``tracedac.compiled_replay``: on
-during that variant's steps only). Offload: torch's ``save_on_cpu`` (every saved tensor to
-pinned host memory), torch's selective checkpoint offloading matmuls and attention
-(``MUST_CPU_OFFLOAD``, where torch has it), tracedac ``offload_ops(matmuls)``,
-``offload_kept(save_all())`` (everything the region keeps, offloaded) and ``memory_budget``
-at 0.5 and 0.2 with and without ``offload=True``. Compiled, each layer its own graph
-(``fullgraph=True``, as torchtitan compiles): torch's checkpoint, its selective checkpoint,
-no checkpoint under ``activation_memory_budget=0.5``, and tracedac ``recompute_all``,
-``save_matmuls`` and ``memory_budget(0.5)`` regions; and ``torch.compile`` over the whole
-model with torch's checkpoint. The goals printed at the end are issue 32's (eager and
-compiled) and issue 30's (offload).
+during that variant's steps only; its default exact fusion, and for ``recompute_all`` and
+``save_matmuls`` also ``fusion="all"``, within rounding: the ``_all`` rows). Offload: torch's
+``save_on_cpu`` (every saved tensor to pinned host memory), torch's selective checkpoint
+offloading matmuls and attention (``MUST_CPU_OFFLOAD``, where torch has it), tracedac
+``offload_ops(matmuls)``, ``offload_kept(save_all())`` (everything the region keeps,
+offloaded) and ``memory_budget`` at 0.5 and 0.2 with and without ``offload=True``. Compiled,
+each layer its own graph (``fullgraph=True``, as torchtitan compiles): torch's checkpoint, its
+selective checkpoint, no checkpoint under ``activation_memory_budget=0.5``, and tracedac
+``recompute_all``, ``save_matmuls`` and ``memory_budget(0.5)`` regions; and ``torch.compile``
+over the whole model with torch's checkpoint. The goals printed at the end are issue 32's
+(eager and compiled) and issue 30's (offload).
 """
 
 from __future__ import annotations
@@ -102,14 +103,15 @@ def run(
             return models[key](*batch)
 
     def step(key):
-        before = tracedac.compiled_replay(by_key[key].compiled_replay)
+        fusion = tracedac.replay.compiled.fusion()
+        before = tracedac.compiled_replay(by_key[key].compiled_replay, fusion=by_key[key].fusion)
         try:
             for p in models[key].parameters():
                 p.grad = None
             with by_key[key].context():
                 models[key](*batch).backward()
         finally:
-            tracedac.compiled_replay(before)
+            tracedac.compiled_replay(before, fusion=fusion)
 
     for key in models:
         say(f"llama: warming up {key}")

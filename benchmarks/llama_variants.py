@@ -109,6 +109,7 @@ class Variant:
     label: str
     apply: Callable[[Llama], nn.Module]
     compiled_replay: bool = False  # set for the variant's steps: the other rows replay op by op
+    fusion: str = "exact"  # compiled replay's fusion for the variant's steps (tracedac's default)
     # around each step (torch's save_on_cpu)
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     # torch._functorch.config while the variant compiles (its warm-up steps)
@@ -134,12 +135,26 @@ VARIANTS = (
         _tracedac(policies.recompute_all()),
         compiled_replay=True,
     ),
+    Variant(
+        "tracedac_compiled_replay_all",
+        "tracedac recompute_all, compiled replay fusing all (within rounding)",
+        _tracedac(policies.recompute_all()),
+        compiled_replay=True,
+        fusion="all",
+    ),
     Variant("tracedac_save_matmuls", "tracedac save_matmuls, op by op", _tracedac(policies.save_matmuls())),
     Variant(
         "tracedac_save_matmuls_cr",
         "tracedac save_matmuls, compiled replay",
         _tracedac(policies.save_matmuls()),
         compiled_replay=True,
+    ),
+    Variant(
+        "tracedac_save_matmuls_cr_all",
+        "tracedac save_matmuls, compiled replay fusing all (within rounding)",
+        _tracedac(policies.save_matmuls()),
+        compiled_replay=True,
+        fusion="all",
     ),
     Variant(
         "tracedac_budget",

@@ -1,7 +1,7 @@
-"""Compiled replay (tracedac/replay_compiled.py): a repeated replay runs as one inductor function
-and gives op-by-op replay's values; what it cannot guarantee replays op by op."""
+"""Compiled replay (tracedac/replay/compiled.py): a repeated replay runs as one inductor function
+and gives op-by-op replay's values, bit for bit under the default exact fusion; what it cannot
+guarantee replays op by op. tests/test_compiled_replay_bits.py holds the bits on real models."""
 
-import functools
 import math
 
 import pytest
@@ -19,11 +19,12 @@ from .util import OpCounter
 @pytest.fixture
 def compiling():
     compiled.clear()
-    before = tracedac.compiled_replay(True)
+    fusion = compiled.fusion()
+    before = tracedac.compiled_replay(True, fusion="exact")
     try:
         yield
     finally:
-        tracedac.compiled_replay(before)
+        tracedac.compiled_replay(before, fusion=fusion)
         compiled.clear()
 
 
@@ -56,13 +57,13 @@ def test_a_repeated_replay_compiles_once_and_matches_op_by_op_replay(compiling):
     for step in range(2):
         got = _grads(model, x)
         for a, b in zip(got, expected, strict=True):
-            # fused gelu/layer norm may differ from ATen's kernels in the last bits
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            # exact fusion: gelu and layer norm run ATen's kernels inside the program
+            _equal(a, b)
     s = compiled.stats()
     assert s["compiled"] == 1 and s["runs"] == 3 and s["eager"] == 1, s
 
 
-def test_bf16_replays_compiled_within_bf16_rounding(compiling):
+def test_bf16_replays_compiled_bit_for_bit(compiling):
     torch.manual_seed(0)
     model = tracedac.wrap(nn.Sequential(Block(), Block()).to(torch.bfloat16), Block, policies.recompute_all())
     x = torch.randn(4, 16, dtype=torch.bfloat16)
@@ -71,9 +72,7 @@ def test_bf16_replays_compiled_within_bf16_rounding(compiling):
     tracedac.compiled_replay(True)
     for _ in range(2):
         for a, b in zip(_grads(model, x), expected, strict=True):
-            # emulate_precision_casts rounds after each fused op as eager does: on the CPU
-            # this was measured bitwise; bf16's own rounding is what is promised
-            torch.testing.assert_close(a, b)
+            _equal(a, b)  # fused ops round to bf16 after each op, as eager's kernels do
     assert compiled.stats()["runs"] == 3
 
 
@@ -189,9 +188,7 @@ def test_nested_regions_read_the_enclosing_regions_handles(compiling):
         h = (x @ w1).sigmoid()  # the inner region reads it: replayed by the outer region's pass
         return inner(h).sum()
 
-    _against_uncheckpointed(
-        f, x, [w1, w2], functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6)
-    )
+    _against_uncheckpointed(f, x, [w1, w2], _equal)
     # both regions' passes compile on their second backward; the inner one's input is the
     # outer region's handle on h
     assert compiled.stats() == {"eager": 2, "compiled": 2, "runs": 4}
@@ -214,9 +211,10 @@ def test_numbers_that_compare_equal_get_their_own_program(compiling):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_by_default_a_repeated_replay_runs_compiled_within_bf16_rounding():
+def test_on_cuda_by_default_a_repeated_replay_runs_compiled_bit_for_bit():
     compiled.clear()
-    before = tracedac.compiled_replay("cuda")  # the default
+    fusion = compiled.fusion()
+    before = tracedac.compiled_replay("cuda", fusion="exact")  # the defaults
     try:
         torch.manual_seed(0)
         model = nn.Sequential(Block(64), Block(64)).to("cuda", torch.bfloat16)
@@ -227,8 +225,8 @@ def test_on_cuda_by_default_a_repeated_replay_runs_compiled_within_bf16_rounding
         tracedac.compiled_replay("cuda")
         for _ in range(2):
             for a, b in zip(_grads(model, x), expected, strict=True):
-                torch.testing.assert_close(a, b)
+                _equal(a, b)
         assert compiled.stats()["runs"] == 3
     finally:
-        tracedac.compiled_replay(before)
+        tracedac.compiled_replay(before, fusion=fusion)
         compiled.clear()

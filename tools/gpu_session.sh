@@ -11,6 +11,18 @@
 #   kernels    python -m benchmarks --kernels: pack_cast / accumulate_ across unit sizes
 #   zero       python -m benchmarks --zero --device cuda (one rank, NCCL); with --compile last
 #   gpu tests  the test files that use a CUDA device when one is visible
+#   replay_bits  (not in the default STAGES, which fill a session already: name it) the CUDA tests
+#              of tests/test_compiled_replay_bits.py (issue 46): under the defaults
+#              (compiled replay on for CUDA, exact fusion) gradients bitwise equal to no
+#              checkpointing, and each op exact fusion compiles exact on special values in Triton.
+#              Look for: all passed. A failure naming "refused:inexact" or differing gradients
+#              means exact fusion is not exact on this GPU: the CUDA default must then replay op
+#              by op (docs/design.md, "Compiled replay: bits").
+#   replay_fusion  (not in the default STAGES: name it) the cost of exact fusion: --llama's
+#              recompute_all and save_matmuls rows op by op, compiled (exact fusion, the default)
+#              and compiled fusing all (the _all rows: what the 0.84x / 0.82x of docs/gpu.md
+#              measured), in turns in one run. Look for: step ms of "compiled replay" against
+#              "compiled replay fusing all" and "op by op"; max |grad diff| 0 except the _all rows.
 #   profile    python -m benchmarks --profile --llama --device cuda
 #   zero_profile  tools/zero_profile.py: a compiled ZeRO bf16 "auto" step against FSDP2's under
 #              the same autocast, one rank, under torch.profiler (not in the default STAGES:
@@ -76,7 +88,7 @@ GPU_TESTS="tests/kernels/test_gpu.py tests/kernels/test_host_path.py tests/bench
   tests/test_offload.py::test_on_cuda_tracked_times_the_compute_streams_waits_for_copies
   tests/test_offload_planner.py::test_on_cuda_the_link_is_measured_and_an_offloading_plan_holds_fewer_device_bytes
   tests/test_offload_inputs.py::test_on_cuda_the_layer_inputs_leave_the_device_and_the_gradients_are_exact
-  tests/test_compiled_replay.py::test_on_cuda_by_default_a_repeated_replay_runs_compiled_within_bf16_rounding"
+  tests/test_compiled_replay.py::test_on_cuda_by_default_a_repeated_replay_runs_compiled_bit_for_bit"
 # The modules that spawn process groups and compile for minutes go first (pytest keeps one copy
 # of a path named twice), or the last of them is still running at the limit (run 3: test_tp.py).
 # --dist loadscope: each module's tests on one worker. xdist's default handed test_tp.py's tests
@@ -113,6 +125,12 @@ stage extra 60 bash -c "${EXTRA:-}"
 ZERO_SIZE="--layers 2 --dim 1024 --heads 16 --experts 8 --expert-hidden 2048 --seq 512 --batch 8"
 stage zero 45 python3 -m benchmarks --zero --device $DEV $QUICK $ZERO_SIZE --json "$W/zero.json"
 stage gpu_tests 50 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS
+# issue 46: bitwise replay on CUDA (each test compiles one structure: seconds each, hence its own stage)
+stage replay_bits 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_compiled_replay_bits.py
+FUSION=none,torch,tracedac_recompute_all,tracedac_compiled_replay,tracedac_compiled_replay_all,\
+tracedac_save_matmuls,tracedac_save_matmuls_cr,tracedac_save_matmuls_cr_all
+stage replay_fusion 150 python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 --only "$FUSION" \
+  --json "$W/llama_fusion.json"
 stage profile 40 python3 -m benchmarks --profile --llama --device $DEV $QUICK --json "$W/profile.json"
 # last: it compiles the most (each tracedac block, both precisions, and FSDP2's; since 2026-11-27
 # it compiles on the image's torch 2.11 rather than refusing, so it needs the time: about five

@@ -18,6 +18,8 @@ __all__ = [
     "checkpoint_wrapper_module",
     "class_forward",
     "graph_input_sources",
+    "inductor_cache_tag",
+    "inductor_exact_options",
     "is_exporting",
     "is_fake_type",
     "is_wrapper_subclass",
@@ -282,3 +284,63 @@ def checkpoint_wrapper_module(load: bool = True):
     import importlib
 
     return importlib.import_module(_CHECKPOINT_WRAPPER)
+
+
+# Inductor's settings under which the code it generates for an op computes eager's bits
+# (compiled replay's exact fusion, replay/compiled.py; docs/design.md, "Compiled replay: bits").
+_EXACT_INDUCTOR = {
+    # inductor lite mode (torch 2.10 on): every node runs eager's kernel except those marked
+    # node.meta["custom"]["compile_with_inductor"]; only marked nodes are decomposed
+    "fallback_by_default": True,
+    "selective_decompose": True,
+    # carries node.meta (the marks) through compile_fx's retrace into the selective
+    # decomposition: compile_fx preserves node meta only at this level
+    "trace.provenance_tracking_level": 1,
+    # pattern rewrites (mm + add into addmm, small mm into pointwise, attention patterns)
+    # change which kernels run, so what numbers come out
+    "use_pre_grad_passes": False,
+    "use_joint_graph_passes": False,
+    "use_post_grad_passes": False,
+    # bf16/fp16: round after every op as eager does (and in Triton: no FMA contraction)
+    "emulate_precision_casts": True,
+    # C++: no FMA contraction, no unsafe math (also the defaults, which an environment can change)
+    "cpp.enable_floating_point_contract_flag": "off",
+    "cpp.enable_unsafe_math_opt_flag": False,
+    "use_fast_math": False,
+    # Triton: correctly rounded fp32 division (eager's), no flushing of subnormals
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.disable_ftz": True,
+}
+_EXACT_REQUIRED = ("fallback_by_default", "selective_decompose", "trace.provenance_tracking_level")
+
+
+def inductor_exact_options() -> dict | None:
+    """The inductor options of ``_EXACT_INDUCTOR`` this torch knows (a fresh dict), or None
+    where it lacks lite mode (``fallback_by_default``, ``selective_decompose``): without them a
+    compiled program could not keep eager's kernels for the ops it must not fuse."""
+    known = _inductor_exact_known()
+    return None if known is None else {k: _EXACT_INDUCTOR[k] for k in known}
+
+
+@functools.cache
+def _inductor_exact_known() -> tuple | None:
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    if not all(k in known for k in _EXACT_REQUIRED):
+        return None
+    return tuple(k for k in _EXACT_INDUCTOR if k in known)
+
+
+def inductor_cache_tag(tag: str):
+    """A context in which inductor's compile caches key on ``tag`` too (added to
+    ``torch.compiler.config.cache_key_tag``): the caches hash a graph's code and the options,
+    not its nodes' ``meta``, so two programs of one graph with different nodes marked for
+    fusion would share an entry."""
+    import contextlib
+
+    from torch.compiler import config
+
+    if not hasattr(config, "cache_key_tag"):
+        return contextlib.nullcontext()
+    return config.patch(cache_key_tag=f"{config.cache_key_tag}|{tag}")
