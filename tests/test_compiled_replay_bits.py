@@ -70,39 +70,13 @@ def _block(dtype, device="cpu"):
     return model, Block, lambda m: m(x).float().square().sum()
 
 
-def _tokens(device):
-    ids = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(1)).to(device)
-    return ids[:, :-1], ids[:, 1:]  # [2, 16] inputs, their next tokens
-
-
-def _llama(dtype, device="cpu"):
-    from benchmarks.llama import DecoderLayer, Llama, LlamaConfig
-
-    cfg = LlamaConfig(vocab=64, layers=2, dim=32, heads=2, mlp_hidden=64, batch=2, seq=16)
-    ids, targets = _tokens(device)
-    return Llama.seeded(cfg).to(device, dtype), DecoderLayer, lambda m: m(ids, targets)
-
-
-def _moe(dtype, device="cpu"):
-    from benchmarks.model import GPT, Config
-    from benchmarks.model import Block as MoEBlock
-
-    cfg = Config(
-        vocab=64, layers=2, dim=32, heads=2, experts=4, expert_hidden=32, batch=2, seq=16, dropout=0.0
-    )
-    ids, targets = _tokens(device)
-    return GPT.seeded(cfg).to(device, dtype), MoEBlock, lambda m: m(ids, targets)
-
-
-MODELS = {"layer norm and GELU blocks": _block, "Llama": _llama, "MoE GPT": _moe}
+MODELS = {
+    "layer norm and GELU blocks": _block
+}  # the benchmarks' Llama and MoE: tests/bench/test_replay_bits_models.py
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(
-    "model",
-    [pytest.param("layer norm and GELU blocks")]
-    + [pytest.param(k, marks=pytest.mark.slow) for k in ("Llama", "MoE GPT")],
-)
+@pytest.mark.parametrize("model", list(MODELS))
 def test_the_benchmarks_models_get_no_checkpointings_gradients_bit_for_bit(defaults, model, dtype):
     """Users debug by comparing with an unchecked run bit for bit, so replay must give the
     forward's values, compiled or not. Compiled replay with full fusion gave these models'
