@@ -5,8 +5,11 @@ of ``--llama`` and the MoE GPT of ``python -m benchmarks``): here, because only 
 import pytest
 import torch
 
-from ..test_compiled_replay_bits import DTYPES, MODELS
-from ..test_compiled_replay_bits import defaults as compiled_replay_defaults  # noqa: F401 (the fixture "defaults")
+from ..test_compiled_replay_bits import (
+    DTYPES,
+    MODELS,
+    defaults,  # noqa: F401 (a fixture)
+)
 from ..test_compiled_replay_bits import (
     test_the_benchmarks_models_get_no_checkpointings_gradients_bit_for_bit as check,
 )
