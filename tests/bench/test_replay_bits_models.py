@@ -46,8 +46,7 @@ BENCH = {"Llama": _llama, "MoE GPT": _moe}
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("model", list(BENCH))
-def test_the_benchmarks_llama_and_moe_get_no_checkpointings_gradients_bit_for_bit(
-    defaults, model, dtype, monkeypatch
-):  # noqa: F811
+@pytest.mark.usefixtures("defaults")
+def test_the_benchmarks_llama_and_moe_get_no_checkpointings_gradients_bit_for_bit(model, dtype, monkeypatch):
     monkeypatch.setitem(MODELS, model, BENCH[model])
-    check(defaults, model, dtype)
+    check(None, model, dtype)
