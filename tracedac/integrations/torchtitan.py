@@ -44,8 +44,9 @@ from torch import nn
 from .._compat import checkpoint_wrapper_module
 from ..checkpoint import checkpoint_call
 from ..errors import CheckpointError
-from ..naming import register_name, unregister_name
-from ..policies import check_policy, memory_budget
+from ..policies import memory_budget
+from ..policies.held import check_policy
+from ..record.naming import register_name, unregister_name
 
 __all__ = ["disable", "enable", "is_enabled"]
 
@@ -65,10 +66,11 @@ def _ac_module():
     """torchtitan's activation checkpointing module, checked to be the one enable() knows."""
     try:
         import torchtitan.distributed.activation_checkpoint as ac
-    except ImportError as e:
-        raise CheckpointError(
+    except ImportError as e:  # a missing optional dependency: ModuleNotFoundError, as Python says it
+        raise ModuleNotFoundError(
             f"tracedac.integrations.torchtitan.enable() needs torchtitan, which is not importable ({e}). "
-            f"pip install 'torchtitan>={TORCHTITAN_SUPPORTED}' (or tracedac's 'titan' extra)."
+            f"pip install 'torchtitan>={TORCHTITAN_SUPPORTED}' (or tracedac's 'titan' extra).",
+            name="torchtitan",
         ) from None
     missing = [
         n for n in ("ptd_checkpoint_wrapper", "FullAC", "SelectiveAC", "MemoryBudgetAC") if not hasattr(ac, n)
