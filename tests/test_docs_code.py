@@ -32,7 +32,7 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 _DRIVER = r"""
 import json, sys, traceback, types
 page, blocks = json.load(sys.stdin)
-OPTIONAL = {"transformers", "peft", "matplotlib", "triton", "torchtitan"}  # extras; a block needing one is skipped
+OPTIONAL = {"transformers", "peft", "matplotlib", "triton", "torchtitan"}  # extras: skipped if absent
 ns, failed, skipped = None, [], False
 for line, kind, code in blocks:
     if kind == "continued" and skipped:
