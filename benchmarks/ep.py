@@ -50,9 +50,7 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, TextIO
@@ -70,7 +68,6 @@ from tracedac.policies import MATMUL_OPS
 
 from . import probe
 from .child import (
-    ROOT,
     Progress,
     clear_grads,
     leave_ranks,
@@ -82,6 +79,7 @@ from .child import (
 )
 from .collectives import CollectiveCounter
 from .model import Config
+from .ranks import launch
 
 __all__ = ["QUICK", "RANKS", "STEPS", "VARIANTS", "EPModel", "check_settings", "format_report", "run"]
 
@@ -391,67 +389,11 @@ def rank_main(spec_json: str) -> None:
 
 # --- the launcher ---------------------------------------------------------------------------
 
-_RANK = "import sys\nfrom benchmarks.ep import rank_main\nrank_main(sys.argv[1])\n"
-
 
 def _launch(spec: dict, world: int, say, *, count_python: bool, timeout: float = TIMEOUT_S) -> list:
     """Start ``world`` ranks running ``rank_main(spec)`` and return rank 0's JSON: each rank's
-    figures. ``count_python``: ranks run with ``PYTHONMALLOC=malloc`` and glibc's per-thread
-    cache off (see ``child.run_child``). A rank that fails, or a launch past ``timeout``,
-    stops every rank and raises with the output of the rank that failed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world))
-    if count_python:
-        tunables = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.tcache_count=0") if t)
-        env.update(PYTHONMALLOC="malloc", GLIBC_TUNABLES=tunables)
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = dict(spec, init_method=f"file://{tmp}/init")
-        procs, outs, errs = [], [], []
-        for rank in range(world):
-            outs.append(open(os.path.join(tmp, f"rank{rank}.out"), "w+"))  # files: no pipe to fill
-            errs.append(open(os.path.join(tmp, f"rank{rank}.err"), "w+"))
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", _RANK, json.dumps(spec)],
-                    env=dict(env, RANK=str(rank)),
-                    cwd=ROOT,  # benchmarks/ is not installed
-                    stdout=outs[rank],
-                    stderr=errs[rank],
-                    text=True,
-                )
-            )
-        deadline = time.monotonic() + timeout
-        shown = 0
-        try:
-            while True:
-                with open(errs[0].name) as f:  # rank 0's progress lines, as they come
-                    lines = f.read().splitlines()
-                for line in lines[shown:]:
-                    if line.startswith("[rank 0]"):
-                        say(line.removeprefix("[rank 0] "))
-                shown = len(lines)
-                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-                if failed or all(p.poll() == 0 for p in procs):
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the {world} ranks of `--ep` ran past {timeout:.0f} s; stopped")
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            for f in outs + errs:
-                f.flush()
-        if failed:
-            r = failed[0]
-            with open(errs[r].name) as f:
-                tail = "\n".join(f.read().splitlines()[-25:])
-            raise RuntimeError(
-                f"rank {r} of the `--ep` benchmark exited with status {procs[r].returncode}; its last "
-                f"output:\n{tail}\nRun `python -m benchmarks --ep --quick` to check the set-up."
-            )
-        with open(outs[0].name) as f:
-            return json.loads(f.read())
+    figures (``ranks.launch``: a failing rank, or a launch past ``timeout``, stops them all)."""
+    return launch("benchmarks.ep", spec, world, say, what="--ep", count_python=count_python, timeout=timeout)
 
 
 def check_settings(cfg: Config, steps: int, world: int) -> None:
