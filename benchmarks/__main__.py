@@ -154,6 +154,13 @@ def _parser() -> argparse.ArgumentParser:
         "(%(default)s, as torchrun sets it; or file:///PATH, with RANK and WORLD_SIZE in the environment; "
         "--device cuda without them: a world of one, by default in a fresh temporary file)",
     )
+    p.add_argument(
+        "--llama-shape",
+        choices=["7b"],
+        default=None,
+        help="with --llama (or --profile --llama): a 7B-class layer shape (dim 4096, 32 heads, MLP 11008, "
+        "4 layers, 8 x 2048 tokens) instead of the device's default size",
+    )
     p.add_argument("--json", metavar="PATH", help="also write every figure to PATH as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument(
@@ -279,7 +286,8 @@ def main(argv=None) -> int:
             cfg = (
                 llama_steps.QUICK
                 if args.quick
-                else (llama_steps.CUDA if args.device.startswith("cuda") else llama_steps.CPU)
+                else llama_steps.SHAPES.get(args.llama_shape)
+                or (llama_steps.CUDA if args.device.startswith("cuda") else llama_steps.CPU)
             )
         else:
             cfg = checkpointing.QUICK if args.quick else _config(args)
@@ -301,7 +309,7 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"--only names unknown variants {sorted(unknown)}")
         figures = llama_steps.run(
-            llama_steps.QUICK if args.quick else None,
+            llama_steps.QUICK if args.quick else llama_steps.SHAPES.get(args.llama_shape),
             device=args.device,
             steps=args.steps or (2 if args.quick else 5),
             variants=only,

@@ -58,6 +58,10 @@ __all__ = ["CPU", "CUDA", "QUICK", "VARIANTS", "format_report", "run"]
 CUDA = LlamaConfig(vocab=32000, layers=8, dim=2048, heads=16, mlp_hidden=5632, batch=4, seq=2048)
 CPU = LlamaConfig(vocab=1024, layers=4, dim=256, heads=4, mlp_hidden=704, batch=4, seq=128)
 QUICK = LlamaConfig(vocab=64, layers=2, dim=32, heads=2, mlp_hidden=64, batch=2, seq=16)
+# A 7B-class layer shape (Llama 2 7B's width, heads and MLP), 4 layers, 8 x 2048 tokens: the
+# forward's device time per op that a host-bound recorder must hide behind (``--llama-shape 7b``)
+LAYER_7B = LlamaConfig(vocab=32000, layers=4, dim=4096, heads=32, mlp_hidden=11008, batch=8, seq=2048)
+SHAPES = {"7b": LAYER_7B}
 WARMUP = 3
 
 

@@ -105,3 +105,24 @@ def test_the_offload_plan_is_held_against_the_faster_of_recompute_all_and_full_o
     made_up["tracedac_offload_everything"]["step_s"] = 0.070  # full offload the faster one
     best = {t["name"]: t for t in llama_steps._targets(made_up, cuda=True)}[best["name"]]
     assert best["value"] == pytest.approx(78.1 / 70) and best["passed"] is False
+
+
+def test_the_7b_layer_shape_is_the_issues_and_the_cli_takes_it(monkeypatch):
+    """Issue 49: the GPU session times a 7B-class layer shape (dim 4096, 8 x 2048 tokens, 4 layers)
+    beside the benchmark's Llama; the CLI hands that config to the run."""
+    from benchmarks import __main__ as cli
+    from benchmarks import llama_steps
+
+    cfg = llama_steps.SHAPES["7b"]
+    shape = (cfg.dim, cfg.layers, cfg.batch, cfg.seq, cfg.heads, cfg.mlp_hidden)
+    assert shape == (4096, 4, 8, 2048, 32, 11008)
+    seen = {}
+
+    def run(config, **kw):
+        seen["config"] = config
+        raise SystemExit(0)
+
+    monkeypatch.setattr(llama_steps, "run", run)
+    with pytest.raises(SystemExit):
+        cli.main(["--llama", "--llama-shape", "7b", "--only", "none"])
+    assert seen["config"] is cfg
