@@ -17,6 +17,7 @@ from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 __all__ = [
     "class_forward",
     "graph_input_sources",
+    "insert_mode_below",
     "is_exporting",
     "is_fake_type",
     "is_wrapper_subclass",
@@ -26,6 +27,7 @@ __all__ = [
     "prepend_forward_pre_hook",
     "process_group_named",
     "put_back_parameter",
+    "remove_mode",
     "trace_time_error",
 ]
 
@@ -231,3 +233,30 @@ def _sac_list_policy_code():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts([])[0].policy_fn.__code__
+
+
+def insert_mode_below(mode) -> None:
+    """Put ``mode`` at the bottom of this thread's dispatch-mode stack, under the modes already
+    there, which stay above it in their order. A mode that must outlive the modes entered around
+    it (``policies.meter``'s, from one step's first region to the next's) cannot be entered with
+    ``with``: a mode entered before it and exited after would pop it instead of itself. Not
+    under a tracer (its infra modes are kept apart from this stack)."""
+    above = [torch._C._pop_torch_dispatch_stack(None) for _ in range(torch._C._len_torch_dispatch_stack())]
+    torch._C._push_on_torch_dispatch_stack(mode)
+    for m in reversed(above):
+        torch._C._push_on_torch_dispatch_stack(m)
+
+
+def remove_mode(mode) -> bool:
+    """Take ``mode`` out of this thread's dispatch-mode stack wherever it is, the modes above it
+    staying in their order; whether it was there."""
+    above, found = [], False
+    while torch._C._len_torch_dispatch_stack():
+        m = torch._C._pop_torch_dispatch_stack(None)
+        if m is mode:
+            found = True
+            break
+        above.append(m)
+    for m in reversed(above):
+        torch._C._push_on_torch_dispatch_stack(m)
+    return found
