@@ -150,9 +150,13 @@ class TensorMeter(Meter):
 
     def pause(self) -> None:
         self.paused = True
+        if self.mode is not None:  # (and no Python call per op meanwhile; not inside a backward)
+            remove_mode(self.mode)
 
     def resume(self) -> None:
         self.paused = False
+        if self.mode is not None:
+            insert_mode_below(self.mode)
 
     def see(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage if it is new; follow a storage an op grew (``resize_``)."""

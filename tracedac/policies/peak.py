@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -50,11 +51,14 @@ from ..errors import CheckpointError
 from ..record.graph import human_bytes
 from .meter import Meter, meter_for
 from .plan_cache import plan_key, plans, signature
+from .planners import MAX_CELLS as PLANNER_CELLS
 from .planners import (
     MemoryBudget,
     Planner,
     Problem,
+    bundles_of,
     closure,
+    costs,
     must_decisions,
     node_cost,
     problem,
@@ -159,30 +163,76 @@ def least_budget(p: Problem) -> int:
     return sum(groups[g].nbytes for g in p.forced_in) + p.reserved
 
 
-def frontier(p: Problem, points: int = MAX_POINTS) -> list[Point]:
-    """The plans ``memory_budget`` makes for this region, least bytes first: from keeping
-    everything the budget may choose down to the least, each limit just under the bytes of the
-    plan before (at most ``points``, evenly spaced beyond that), those that replay less than
-    every plan with fewer bytes."""
-    planner = MemoryBudget(0)  # (prepare reads its cost model; the limit is passed to solve)
-    solve = planner.prepare(p)
-    groups = p.graph.groups
-    forced = set(p.forced_in)
-    least = sum(groups[g].nbytes for g in forced)
-    fixed = p.forced_out | p.offloaded | p.kept_anyway
-    free = sum(groups[g].nbytes for g in p.items if g not in fixed and g not in forced)
-    stride = max(1, free // points)
-    found = []
-    limit = least + free
-    while True:
-        keep, moved = solve(limit, planner)
-        extra = sum(groups[g].nbytes for g in keep if g not in forced)
-        found.append(
-            Point(limit + p.reserved, extra, price(p, keep, moved), frozenset(keep), frozenset(moved))
-        )
-        if extra == 0:
+def knapsack_frontier(weights: list[int], values: list[tuple], points: int = MAX_POINTS) -> list[list[int]]:
+    """Subsets of the items (indices), most weight first, each the greatest summed ``values``
+    (tuples compared in order) within its own weight, as ``planners.knapsack`` chooses within a
+    capacity: the table is filled once for the whole weight, then read back at each capacity
+    where the best value changes (at most ``points`` of them, evenly spaced in capacity beyond
+    that). Weights are counted in units of their gcd, coarser past ``planners.MAX_CELLS`` cells
+    (rounded up: a subset's true weight is never above the capacity it was chosen within)."""
+    n = len(weights)
+    if n == 0:
+        return [[]]
+    q = 0
+    for w in weights:
+        q = math.gcd(q, w)
+    q = max(q, 1)
+    total = sum(weights)
+    if total // q > PLANNER_CELLS:
+        q = -(-total // PLANNER_CELLS)
+    units = [-(-w // q) for w in weights]
+    cells = sum(units)
+    width = len(values[0])
+    best = torch.zeros((width, cells + 1), dtype=torch.int64)
+    take = torch.zeros((n, cells + 1), dtype=torch.bool)
+    for i, (u, v) in enumerate(zip(units, values)):
+        cand = best[:, : cells + 1 - u] + torch.tensor(v, dtype=torch.int64).view(-1, 1)
+        better = _less(best[:, u:], cand)
+        take[i, u:] = better
+        best[:, u:] = torch.where(better, cand, best[:, u:])
+    table = take.numpy()
+    stride = max(1, cells // points)
+    out, c = [], cells
+    while c >= 0:
+        # the least capacity reaching the best value within c
+        same = torch.ones(c + 1, dtype=torch.bool)
+        for b in best:
+            same &= b[: c + 1] == b[c]
+        c = int(torch.nonzero(same)[0])
+        chosen, d = [], c
+        for i in range(n - 1, -1, -1):
+            if table[i, d]:
+                chosen.append(i)
+                d -= units[i]
+        out.append(sorted(chosen))
+        if c == 0:
             break
-        limit = least + max(0, min(extra - 1, extra - stride))
+        c = max(0, min(c - 1, c - stride))
+    return out
+
+
+def frontier(p: Problem, points: int = MAX_POINTS) -> list[Point]:
+    """The plans of a region, least bytes first: the knapsack ``memory_budget`` solves (its
+    items, weights and replay costs, ``planners.costs``), read at every capacity where its
+    choice changes (``knapsack_frontier``), each point priced exactly (``price``); a point must
+    replay less than every point with fewer bytes."""
+    graph = p.graph
+    groups = graph.groups
+    forced = set(p.forced_in)
+    fixed = p.forced_out | p.offloaded | p.kept_anyway  # replayed, on the host, or kept: no choice
+    free = [
+        b
+        for b in bundles_of(graph, p.items)
+        if not any(g in fixed for g in b) and not all(g in forced for g in b)
+    ]
+    weights = [sum(groups[g].nbytes for g in b if g not in forced) for b in free]
+    values = costs(graph, free, "flops", p.items)
+    least = sum(groups[g].nbytes for g in forced) + p.reserved
+    found = []
+    for chosen in knapsack_frontier(weights, values, points):
+        keep = forced.union(*(free[i] for i in chosen))
+        extra = sum(weights[i] for i in chosen)
+        found.append(Point(least + extra, extra, price(p, keep), frozenset(keep)))
     out: list[Point] = []
     for pt in reversed(found):  # least bytes first; a point must replay less than those before it
         if not out or pt.cost < out[-1].cost:
@@ -635,10 +685,19 @@ class Peak(Planner):
     coordinates the regions that share it, so it compares by identity."""
 
     budget: int
-    meter: object = (
-        None  # None: ``meter_for`` the regions' device; else a Meter, or a callable device -> Meter
-    )
+    meter: object = None  # None: ``meter_for`` the device; else a Meter, or a callable device -> Meter
     state: _State = field(default_factory=_State, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # A step measured when the program stops (its last step, an exception) leaves the CPU
+        # meter's mode on the dispatch stack until the next step: gone with the policy at the latest.
+        weakref.finalize(self, self.state.close)
+
+    def close(self) -> None:
+        """Stop measuring now (a program that stops in a measured step: the CPU meter's mode
+        leaves the dispatch stack); a step cut short is measured again at the next step."""
+        self.state.close()
 
     # -- a region's planner, chosen when it starts (region.py) --
     def bind(self, region, code=None, args=(), kwargs=None):
