@@ -19,12 +19,16 @@ import torch
 
 import tracedac
 from tracedac import CheckpointError, policies
+from tracedac.integrations import hf
 from tracedac.policies import meter as meters
 from tracedac.policies.peak import Point, allocate, knapsack_frontier, parse_bytes
 from tracedac.policies.plan_cache import plans
 from tracedac.policies.planners import knapsack
 
 from .support.bench_models import Block, DecoderLayer, llama, moe
+from .support.hf_models import batch as hf_batch
+from .support.hf_models import build, needs_switch
+from .support.hf_models import loss as hf_loss
 from .support.live_bytes import LivePeak
 
 MiB = 1 << 20
@@ -333,3 +337,73 @@ def test_moe_gradients_under_a_peak_budget_equal_no_checkpointing_bitwise():
         g1 = torch.autograd.grad(model(*batch), list(model.parameters()))
         for a, b in zip(g0, g1, strict=True):
             assert torch.equal(a, b)
+
+
+def _hf_steps(model, inputs, steps, measure=True):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    peaks = []
+    for _ in range(steps):
+        gc.collect()
+        with LivePeak.everything() if measure else contextlib.nullcontext() as live:
+            hf_loss(model, inputs).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        peaks.append(live.peak if measure else None)
+    return peaks
+
+
+@needs_switch
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_hf_enable_takes_a_peak_budget_and_keeps_the_step_within_it():
+    """Through transformers' own switch (hf.enable), the layers are the regions the budget plans."""
+    inputs = hf_batch(4, 64)
+
+    def run(policy, steps=3):
+        model = build("llama", hidden=64, layers=3)
+        if policy is not None:
+            hf.enable(model, policy)
+        peaks = _hf_steps(model, inputs, steps)
+        del model
+        gc.collect()
+        return peaks[-1]
+
+    least, most = run(policies.recompute_all()), run(None)
+    budget = (least + most) // 2
+    policy = policies.peak(budget)
+    assert run(policy, steps=4) <= budget * 1.01
+    names = [name for name, *_ in policy.report().regions]
+    assert names == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert sum(extra for _, extra, _, _ in policy.report().regions) > 0
+
+
+def test_under_tracedac_zero_the_budget_counts_gathered_parameters_and_holds(world1):
+    """ZeRO-3's gathered buffers are on the device during the step: measured with the rest,
+    so the plan fits around them; the losses are those of the sharded model without checkpointing."""
+    import tracedac.zero as zero
+
+    def run(policy, steps=4):
+        model, batch = llama()
+        zero.shard(model, units=DecoderLayer)
+        if policy is not None:
+            tracedac.wrap(model, DecoderLayer, policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        peaks, losses = [], []
+        for _ in range(steps):
+            gc.collect()
+            with LivePeak.everything() as live:
+                loss = model(*batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            peaks.append(live.peak)
+            losses.append(loss.detach())
+        del model, opt, loss
+        gc.collect()
+        return peaks[-1], torch.stack(losses)
+
+    most, plain = run(None)
+    least, _ = run(policies.recompute_all())
+    budget = (least + most) // 2
+    measured, losses = run(policies.peak(budget))
+    assert measured <= budget * 1.01
+    assert torch.equal(losses, plain)
