@@ -407,3 +407,35 @@ def test_under_tracedac_zero_the_budget_counts_gathered_parameters_and_holds(wor
     measured, losses = run(policies.peak(budget))
     assert measured <= budget * 1.01
     assert torch.equal(losses, plain)
+
+
+def test_compiled_regions_take_the_eager_plans_bytes_and_are_refused_before_one_exists():
+    """Compiled, no step is measured per region (the partitioner decides from the graph): a
+    region keeps at most the least bytes the eager plan gave a region, memory_budget's way, and
+    before any eager step there is nothing to plan from, which the error says with the way out."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        model, batch = llama(layers=2)
+        policy = policies.peak("1GiB")
+        tracedac.wrap(model, DecoderLayer, policy=policy)
+        compiled = torch.compile(model, backend="aot_eager_decomp_partition")
+        with pytest.raises(Exception) as err:
+            compiled(*batch)
+        cause = getattr(err.value, "inner_exception", err.value)  # dynamo wraps a backend's error
+        assert isinstance(cause, CheckpointError) and "Run one training step eagerly first" in str(cause)
+        torch._dynamo.reset()
+        plain, _ = llama(layers=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        train(model, batch, 2, opt, measure=False)  # measured and planned eagerly
+        plain.load_state_dict(model.state_dict())
+        expected = torch.autograd.grad(plain(*batch), list(plain.parameters()))
+        got = torch.autograd.grad(compiled(*batch), list(model.parameters()))
+        for a, b in zip(expected, got, strict=True):
+            torch.testing.assert_close(a, b)
+        assert policy.compiled_budget("DecoderLayer") == min(
+            policy.state.plan.point(j).budget for j in range(2)
+        )
+    finally:
+        torch._dynamo.reset()
