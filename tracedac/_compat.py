@@ -15,6 +15,8 @@ import torch
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 
 __all__ = [
+    "activation_memory_budget",
+    "allocation_events",
     "class_forward",
     "graph_input_sources",
     "insert_mode_below",
@@ -260,3 +262,27 @@ def remove_mode(mode) -> bool:
     for m in reversed(above):
         torch._C._push_on_torch_dispatch_stack(m)
     return found
+
+
+def activation_memory_budget(budget: float):
+    """A context in which torch.compile's min-cut partitioner keeps at most ``budget`` (0-1) of
+    its activation memory (``torch._functorch.config.activation_memory_budget``, a private
+    config), read when a graph is compiled: compile inside it."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
+
+
+def allocation_events(prof) -> list[int]:
+    """The sizes of the allocations (positive) and frees (negative) torch's CPU allocator
+    reported to the profiler ``prof`` (``profile_memory=True``), in time order; read from its
+    private event tree (``kineto_results``), which is how torch's own memory views read them."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+    return [size for _, size in sorted(events)]

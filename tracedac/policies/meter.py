@@ -32,9 +32,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .._compat import dynamo_off, dynamo_restore, insert_mode_below, remove_mode
+from .._compat import allocation_events, dynamo_off, dynamo_restore, insert_mode_below, remove_mode
 
-__all__ = ["AllocatorMeter", "Meter", "TensorMeter", "meter_for"]
+__all__ = ["AllocatorMeter", "Meter", "ProfilerMeter", "TensorMeter", "meter_for"]
 
 
 class Meter:
@@ -235,15 +235,62 @@ class TensorMeter(Meter):
         return f"bytes of live tensor storages on {self.device} (a dispatch mode and weak references)"
 
 
-def meter_for(device: torch.device) -> Meter:
-    """The meter for ``device``: its allocator's statistics on CUDA, live tensor storages on the CPU."""
+class ProfilerMeter(Meter):
+    """The CPU's allocator as torch's profiler reports it (``profile_memory=True``): every
+    allocation and free of a tensor's memory, compiled code's too (which ``TensorMeter`` cannot
+    see: compiled code runs eagerly under its mode). From ``start`` to ``stop`` only (the
+    profiler's events are read when it stops): for measuring a whole step, not its moments.
+    What was alive at ``start`` is counted as ``TensorMeter`` counts it; a free of it during the
+    step is not reported by the allocator, so the figure can only err upwards."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"ProfilerMeter reads the CPU allocator's events, and {self.device} is not the CPU"
+            )
+        self.profile = None
+        self.base = 0
+
+    def start(self) -> int:
+        self.base = TensorMeter(self.device).now()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        self.profile = torch.profiler.profile(activities=activities, profile_memory=True)
+        self.profile.__enter__()
+        return self.base
+
+    def mark(self) -> tuple[int, int]:
+        raise NotImplementedError(
+            "ProfilerMeter reads the allocator's events when it stops: it measures from start() to stop() "
+            "only; use TensorMeter (the CPU) or AllocatorMeter (CUDA) to read moments in between."
+        )
+
+    def stop(self) -> tuple[int, int]:
+        self.profile.__exit__(None, None, None)
+        level = most = 0
+        for size in allocation_events(self.profile):
+            level += size
+            most = max(most, level)
+        self.profile = None
+        return self.base + level, self.base + most
+
+    def now(self) -> int:
+        return TensorMeter(self.device).now()
+
+    def describe(self) -> str:
+        return "torch.profiler's CPU allocation events over the step, plus the tensors alive before it"
+
+
+def meter_for(device: torch.device, *, compiled: bool = False) -> Meter:
+    """The meter for ``device``: its allocator's statistics on CUDA; on the CPU live tensor
+    storages (``TensorMeter``), or with ``compiled`` (a step that runs compiled code, read from
+    start to stop only) the profiler's allocation events (``ProfilerMeter``)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return AllocatorMeter(
-            device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return AllocatorMeter(torch.device("cuda", index))
     if device.type == "cpu":
-        return TensorMeter(device)
+        return ProfilerMeter(device) if compiled else TensorMeter(device)
     raise ValueError(
         f"peak() measures device memory on CUDA (torch.cuda's allocator statistics) or the CPU (live "
         f"tensor storages), and this region runs on {device}. Pass a meter of your own: "
