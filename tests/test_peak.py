@@ -439,3 +439,47 @@ def test_compiled_regions_take_the_eager_plans_bytes_and_are_refused_before_one_
         )
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_peak_trade_off_measures_every_variant_and_each_budget_stays_within_itself():
+    """The whole model's frontier: every variant trains on a copy, its peak read by the CPU
+    allocator's profiled events (not the meter peak plans with), and the table reads the ratio
+    to the fastest torch option within each budget's peak."""
+    import torch._dynamo
+
+    model, batch = llama(layers=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    frontier = tracedac.peak_trade_off(
+        model,
+        DecoderLayer,
+        lambda m: m(*batch),
+        budgets=3,
+        steps=1,
+        torch_budgets=(0.0, 1.0),
+        compile_backend="aot_eager_decomp_partition",
+    )
+    torch._dynamo.reset()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "the model was trained"
+    labels = [r.label for r in frontier]
+    assert {"no checkpoint", "torch checkpoint", "torch selective (matmuls)", "torch compiled (0.0)"} <= set(
+        labels
+    )
+    budgets = [r for r in frontier if r.kind == "tracedac" and r.budget is not None]
+    assert len(budgets) == 3 and all(r.error is None for r in budgets)
+    for r in budgets:
+        assert r.peak <= r.budget * 1.01, (r.label, r.peak, r.budget)
+    ordered = sorted(budgets, key=lambda r: r.budget)
+    assert [r.peak for r in ordered] == sorted(r.peak for r in ordered)
+    plain = next(r for r in frontier if r.kind == "none")
+    assert frontier.within(plain.peak) is min(
+        (r for r in frontier if r.peak <= plain.peak), key=lambda r: r.step_s
+    )
+    table = str(frontier)
+    assert "x best torch within" in table and "torch.profiler" in table
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = frontier.plot()
+    assert ax.get_xlabel().startswith("measured peak")
