@@ -34,6 +34,14 @@ from .support.live_bytes import LivePeak
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def no_meter_left():
+    """The CPU meter is a dispatch mode: a test that leaves one running would slow and change
+    every test after it. Each test ends its measured steps (an optimizer step, or close())."""
+    yield
+    assert torch._C._len_torch_dispatch_stack() == 0, "a measured step was left open"
+
+
 def train(model, batch, steps: int, opt=None, measure: bool = True) -> list[int]:
     """The peak of each of ``steps`` training steps (AdamW), everything on the device counted."""
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -329,7 +337,8 @@ def test_moe_gradients_under_a_peak_budget_equal_no_checkpointing_bitwise():
     plain, batch = moe(layers=2)
     model = copy.deepcopy(plain)
     least = steady_peak(lambda: moe(layers=2), policies.recompute_all())
-    tracedac.wrap(model, Block, policy=policies.peak(int(least * 1.3)))
+    policy = policies.peak(int(least * 1.3))
+    tracedac.wrap(model, Block, policy=policy)
     for step in range(3):
         torch.manual_seed(step)
         g0 = torch.autograd.grad(plain(*batch), list(plain.parameters()))
@@ -337,6 +346,7 @@ def test_moe_gradients_under_a_peak_budget_equal_no_checkpointing_bitwise():
         g1 = torch.autograd.grad(model(*batch), list(model.parameters()))
         for a, b in zip(g0, g1, strict=True):
             assert torch.equal(a, b)
+    policy.close()  # (no optimizer step ends the step being checked)
 
 
 def _hf_steps(model, inputs, steps, measure=True):
