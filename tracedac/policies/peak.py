@@ -8,8 +8,8 @@ the object sees the step's regions in order and coordinates them. How (docs/desi
 budget for a whole model"):
 
 1. **Measure a step that fits.** The first step with a new input shape runs every region
-   keeping the least it may (what full recompute keeps: the regions' inputs, and results a
-   policy or a collective must keep), under a ``Meter`` (``meter.py``: the allocator's figures
+   with no planner, keeping the least it may (what full recompute keeps: the regions' inputs,
+   and results a policy or a collective must keep), under a ``Meter`` (``meter.py``: the allocator's figures
    on CUDA, live tensor storages on the CPU). At each region's start, the end of its forward
    and the start of its backward (the first saved tensor autograd unpacks) the meter is read:
    bytes in use, and the most in use since the last reading. Between two readings the regions
@@ -24,8 +24,10 @@ budget for a whole model"):
    frontier point per region by dynamic programming over the prefix's bytes: the least summed
    replay cost (FLOPs, then bytes the replayed ops move, then their number) whose estimated
    peak is within the budget, and of those the least estimated peak. Being the optimum under
-   a peak constraint, the estimate is monotone in the budget: a larger budget's optimum is
-   feasible for a smaller budget only if it also fits there, and then the two are the same.
+   a peak constraint, the estimate is monotone in the budget: a larger budget's optimum either
+   fits the smaller budget too (then the smaller budget's optimum is as cheap and peaks no
+   higher) or peaks above it. Planned regions decide from a plan put in the plan cache for
+   them (``bind``), so they never hold more than it keeps.
 3. **Check, re-plan once.** The next step runs the plan and is measured again; if its peak
    exceeds the budget, the plan is made again from both measurements (each interval's
    constant the larger) and checked once more; still over, a warning says by how much.
@@ -132,15 +134,14 @@ def _show(n: int) -> str:
 
 @dataclass(frozen=True)
 class Point:
-    """One plan of one region: ``memory_budget(budget)`` (an int of bytes) keeps the storages
-    ``keep`` (and offloads ``moved``), ``extra`` bytes more than the region's least plan, and its
-    replay costs ``cost`` (FLOPs, bytes the replayed ops move, their number)."""
+    """One plan of one region: it keeps the storages ``keep``, ``extra`` bytes more than the
+    region's least plan (``budget``: those bytes as ``memory_budget``'s int, for a region that
+    must plan again), and its replay costs ``cost`` (FLOPs, bytes the replayed ops move, ops)."""
 
     budget: int
     extra: int
     cost: tuple
     keep: frozenset = frozenset()
-    moved: frozenset = frozenset()
 
 
 def price(p: Problem, keep, moved=()) -> tuple:
@@ -733,7 +734,7 @@ class Peak(Planner):
             key = plan_key((region.spec.policy, planner), code, region.module, args, kwargs)
             if key is not None:
                 if plans.get(key) is None:
-                    plans.put(key, measured.signatures, pt.keep, measured.context, pt.moved)
+                    plans.put(key, measured.signatures, pt.keep, measured.context)
                 plan.cached.add(k)
         return planner, watch
 
