@@ -574,6 +574,7 @@ class _Plan:
         self.picked: list[int] | None = None
         self.report: PeakReport | None = None
         self.cached: set = set()  # the region indices whose prepared plan is in the plan cache
+        self.shares: dict = {}  # budget -> the _Share regions run under
 
     def point(self, index: int) -> Point | None:
         if self.picked is None or index >= len(self.picked):
@@ -729,7 +730,9 @@ class Peak(Planner):
         measured = plan.regions[k] if same else None
         if pt is None or measured is None:  # no plan for it (the measured step had no such region)
             return None, watch  # the least
-        planner = _Share(self, pt.budget)
+        planner = plan.shares.get(pt.budget)
+        if planner is None:  # (one per budget: regions alike share a plan-cache entry)
+            planner = plan.shares[pt.budget] = _Share(self, pt.budget)
         if k not in plan.cached:
             key = plan_key((region.spec.policy, planner), code, region.module, args, kwargs)
             if key is not None:
