@@ -363,6 +363,7 @@ def _hf_steps(model, inputs, steps, measure=True):
 
 
 @needs_switch
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_hf_enable_takes_a_peak_budget_and_keeps_the_step_within_it():
     """Through transformers' own switch (hf.enable), the layers are the regions the budget plans."""
