@@ -494,3 +494,28 @@ def test_peak_trade_off_measures_every_variant_and_each_budget_stays_within_itse
     matplotlib.use("Agg")
     ax = frontier.plot()
     assert ax.get_xlabel().startswith("measured peak")
+
+
+def test_a_policys_musts_bind_the_plan_and_count_in_the_least_it_can_reach(llama_range):
+    """either(save_matmuls(), peak(...)): the matmuls are kept in every step, the measured one
+    included, so the least reachable peak is full recompute's plus them, and a budget between
+    full recompute's peak and that least is refused, saying so."""
+    least, most = llama_range
+    model, batch = llama()
+    policy = policies.either(policies.save_matmuls(), policies.peak(most))
+    tracedac.wrap(model, DecoderLayer, policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    peaks = train(model, batch, 3, opt)
+    peak_policy = policy.planner
+    assert peaks[-1] <= most * 1.01
+    with_matmuls = peak_policy.report().least
+    assert with_matmuls > least * 1.01  # the matmuls are kept in the least plan too
+    del model, opt
+    gc.collect()
+    model, batch = llama()
+    squeezed = policies.either(policies.save_matmuls(), policies.peak((least + with_matmuls) // 2))
+    tracedac.wrap(model, DecoderLayer, policy=squeezed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, batch, 1, opt, measure=False)
+    with pytest.raises(CheckpointError, match="cannot be met"):
+        train(model, batch, 1, opt, measure=False)
