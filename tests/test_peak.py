@@ -319,7 +319,8 @@ def test_a_regions_frontier_is_the_knapsacks_choice_at_each_capacity_it_lists(se
 def test_the_moe_model_whose_expert_shapes_change_every_step_stays_within_budgets():
     """Routing changes the experts' shapes each step, so a cached plan seldom applies whole:
     regions plan again at their end, within the bytes their share allows, and the re-plan after
-    the checked step absorbs what holding the forward costs."""
+    the checked step absorbs what holding the forward costs. The step's own peak moves with the
+    routing (dropout draws anew each step), by a few KiB here: monotone up to that (1 %)."""
     least = steady_peak(moe, policies.recompute_all())
     most = steady_peak(moe)
     peaks = []
@@ -327,7 +328,8 @@ def test_the_moe_model_whose_expert_shapes_change_every_step_stays_within_budget
         measured = steady_peak(moe, policies.peak(budget), steps=5)
         assert measured <= budget * 1.01, (budget, measured)
         peaks.append(measured)
-    assert peaks == sorted(peaks)
+    assert all(b >= a * 0.99 for a, b in zip(peaks, peaks[1:])), peaks
+    assert peaks[-1] > peaks[0] * 1.01, peaks
 
 
 @pytest.mark.slow
