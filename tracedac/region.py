@@ -115,9 +115,8 @@ class Region:
         # A whole-graph planner decides from a plan cached for this code and these inputs
         # (checked against the structure as it records), or plans when the region ends.
         self.planning = None
-        self.watch = (
-            None  # a planner across regions (policies.peak) follows the region's forward and backward
-        )
+        # a planner across regions (policies.peak) follows the region's forward and backward
+        self.watch = None
         self.timing = spec.timing
         self.offload_inputs = spec.offloads_inputs  # computed inputs leave at the end
         # the recorder hands a policy that reads the op's values those (``tracer.deciding``)
