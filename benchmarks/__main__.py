@@ -11,7 +11,8 @@ ranks it starts itself and counts the collectives (``ep``); ``--fsdp2`` checkpoi
 of an FSDP2 (``fully_shard``) model by torch and by tracedac on gloo ranks it starts
 (``fsdp2``); ``--profile``
 breaks one step down with torch.profiler (``profile``); ``--llama`` times a Llama-style decoder,
-the issue-18 GPU comparison (``llama_steps``). Progress goes to
+the issue-18 GPU comparison (``llama_steps``); ``--peak`` one budget for the whole model
+(``policies.peak``) on the Llama and MoE models beside torch's options (``peak``). Progress goes to
 stderr, the table to stdout, and ``--json PATH`` writes every figure. Performance goals
 are printed as goals, each ``met`` or ``missed`` on this run; the exit status stays 0, since
 a slow or loaded machine is not an error.
@@ -103,6 +104,20 @@ def _parser() -> argparse.ArgumentParser:
         "torch's checkpoint (eager, selective, under torch.compile) against tracedac's policies and "
         "compiled replay; on cuda at the issue's size in bf16 (size flags are ignored; --steps, --quick, "
         "--json, --only apply)",
+    )
+    p.add_argument(
+        "--peak",
+        action="store_true",
+        help="one budget for the whole model instead (peak.py): policies.peak at 8 budgets from full "
+        "recompute's measured peak to no checkpointing's, on the Llama and the MoE models, beside torch's "
+        "checkpoint, its selective checkpointing and torch.compile under activation_memory_budget; "
+        "measured peak and step time of trained steps (--steps, --quick, --json, --device apply)",
+    )
+    p.add_argument(
+        "--peak-backend",
+        default=None,
+        help="with --peak: torch.compile's backend for torch's compiled variants "
+        "(default: aot_eager_decomp_partition on the CPU, inductor on CUDA)",
     )
     p.add_argument(
         "--only",
@@ -225,6 +240,19 @@ def main(argv=None) -> int:
             system_malloc=args.system_malloc,
         )
         print(planners.format_report(figures))
+    elif args.peak:
+        from . import peak
+
+        figures = peak.run(
+            steps=args.steps or (1 if args.quick else peak.STEPS),
+            rounds=1 if args.quick else peak.ROUNDS,
+            budgets=3 if args.quick else peak.BUDGETS,
+            quick=args.quick,
+            device=args.device,
+            backend=args.peak_backend,
+            progress=None if args.quiet else sys.stderr,
+        )
+        print(peak.format_report(figures))
     elif args.zero:  # with --compile too: the compiled ZeRO rows
         return _zero(parser, args)
     elif args.ep:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import sys
 
 import torch
 
-__all__ = ["ProbeUnavailable", "allocated_bytes", "describe", "keep_freed_memory"]
+__all__ = ["ProbeUnavailable", "StepPeak", "allocated_bytes", "describe", "keep_freed_memory"]
 
 
 class ProbeUnavailable(RuntimeError):
@@ -119,3 +120,67 @@ def describe(device: torch.device | str = "cpu") -> str:
     if torch.device(device).type == "cuda":
         return "torch.cuda.memory_allocated()"
     return "glibc mallinfo2(): uordblks + hblkhd"
+
+
+class StepPeak:
+    """The most bytes of tensors a step held on ``device``, everything on the device included.
+
+    On CUDA: ``torch.cuda.reset_peak_memory_stats`` at ``start`` and ``max_memory_allocated``
+    at ``stop``. On the CPU, where glibc keeps no peak: the bytes of the tensor storages alive at
+    ``start`` (every plain tensor the garbage collector knows, and leaves' gradients), plus the
+    running maximum of torch's CPU allocator's allocation events until ``stop`` (the profiler
+    with ``profile_memory=True``: every allocation and free of a tensor's memory, compiled code's
+    included). A storage alive at ``start`` and freed during the step is not reported, so the
+    CPU figure can only err upwards. Written apart from ``tracedac.policies.meter``, which the
+    library plans with: this is the benchmark's own reading."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ProbeUnavailable(f"no step-peak probe for device type {self.device.type!r}: CPU or CUDA")
+        self.base = 0
+        self.profile = None
+
+    def _alive(self) -> int:
+        storages = {}
+        for o in gc.get_objects():
+            if type(o) is torch.Tensor or type(o) is torch.nn.Parameter:
+                for t in (o, o.grad if o.is_leaf and o.requires_grad else None):
+                    if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.device == self.device:
+                        storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self.base = self._alive()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        self.profile = torch.profiler.profile(activities=activities, profile_memory=True)
+        self.profile.__enter__()
+
+    def stop(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        from torch._C._profiler import _EventType
+
+        self.profile.__exit__(None, None, None)
+        events, stack = [], list(self.profile.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            if e.tag == _EventType.Allocation:
+                events.append((e.start_time_ns, e.extra_fields.alloc_size))
+        level = most = 0
+        for _, size in sorted(events):
+            level += size
+            most = max(most, level)
+        self.profile = None
+        return self.base + most
+
+    def describe(self) -> str:
+        if self.device.type == "cuda":
+            return "torch.cuda.max_memory_allocated() over the step"
+        return "tensors alive before the step (gc) + the CPU allocator's profiled events over it"

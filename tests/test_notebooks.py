@@ -62,6 +62,7 @@ NAMES = [
     "03_compile.ipynb",
     "04_zero.ipynb",
     "05_huggingface.ipynb",
+    "07_peak.ipynb",
     "02_memory_budget.ipynb",
     "06_torchtitan.ipynb",
     "01_tour.ipynb",
@@ -90,6 +91,7 @@ def test_every_notebook_is_tested():
         "04_zero.ipynb",
         "05_huggingface.ipynb",
         "06_torchtitan.ipynb",
+        "07_peak.ipynb",
     ]
     assert sorted(NAMES) == sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))  # each one is run
 
@@ -186,3 +188,13 @@ def test_the_zero_notebook_shows_shards_gathers_in_the_graph_wire_bytes_and_memo
         ).groups(),
     )
     assert abs(sharded - plain) < unit / 4  # activations only: no gathered block outlives its forward
+
+
+def test_the_peak_notebook_sweeps_the_whole_model_picks_a_budget_and_trains_within_it(printed):
+    text = printed("07_peak.ipynb")
+    assert "torch compiled (0.5)" in text and "torch selective (matmuls)" in text and "no checkpoint" in text
+    assert "every budget's measured peak within it: True" in text
+    assert "a larger budget never peaks lower: True" in text
+    assert "<Figure" in text, "the frontier is plotted"
+    assert "measured peak of the steps after planning" in text and "kept beyond least" in text
+    assert "CheckpointError: peak(" in text and "cannot be met" in text

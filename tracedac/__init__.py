@@ -6,6 +6,7 @@ See README.md and docs/guide/ for a tour. Everything public is re-exported here;
 from . import ops, policies
 from .checkpoint import checkpoint, checkpoint_call, is_checkpointed, name, unwrap, wrap
 from .errors import CheckpointError
+from .inspect.peak_tradeoff import peak_trade_off
 from .inspect.saved import print_saved, saved_report
 from .inspect.tradeoff import trade_off
 from .replay.compiled import compiled_replay
@@ -18,6 +19,7 @@ __all__ = [
     "is_checkpointed",
     "name",
     "ops",
+    "peak_trade_off",
     "policies",
     "print_saved",
     "saved_report",

@@ -15,11 +15,14 @@ import torch
 from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 
 __all__ = [
+    "activation_memory_budget",
+    "allocation_events",
     "checkpoint_wrapper_module",
     "class_forward",
     "graph_input_sources",
     "inductor_cache_tag",
     "inductor_exact_options",
+    "insert_mode_below",
     "is_exporting",
     "is_fake_type",
     "is_wrapper_subclass",
@@ -31,6 +34,7 @@ __all__ = [
     "prepend_forward_pre_hook",
     "process_group_named",
     "put_back_parameter",
+    "remove_mode",
     "trace_time_error",
 ]
 
@@ -344,3 +348,54 @@ def inductor_cache_tag(tag: str):
     if not hasattr(config, "cache_key_tag"):
         return contextlib.nullcontext()
     return config.patch(cache_key_tag=f"{config.cache_key_tag}|{tag}")
+
+
+def insert_mode_below(mode) -> None:
+    """Put ``mode`` at the bottom of this thread's dispatch-mode stack, under the modes already
+    there, which stay above it in their order. A mode that must outlive the modes entered around
+    it (``policies.meter``'s, from one step's first region to the next's) cannot be entered with
+    ``with``: a mode entered before it and exited after would pop it instead of itself. Not
+    under a tracer (its infra modes are kept apart from this stack)."""
+    above = [torch._C._pop_torch_dispatch_stack(None) for _ in range(torch._C._len_torch_dispatch_stack())]
+    torch._C._push_on_torch_dispatch_stack(mode)
+    for m in reversed(above):
+        torch._C._push_on_torch_dispatch_stack(m)
+
+
+def remove_mode(mode) -> bool:
+    """Take ``mode`` out of this thread's dispatch-mode stack wherever it is, the modes above it
+    staying in their order; whether it was there."""
+    above, found = [], False
+    while torch._C._len_torch_dispatch_stack():
+        m = torch._C._pop_torch_dispatch_stack(None)
+        if m is mode:
+            found = True
+            break
+        above.append(m)
+    for m in reversed(above):
+        torch._C._push_on_torch_dispatch_stack(m)
+    return found
+
+
+def activation_memory_budget(budget: float):
+    """A context in which torch.compile's min-cut partitioner keeps at most ``budget`` (0-1) of
+    its activation memory (``torch._functorch.config.activation_memory_budget``, a private
+    config), read when a graph is compiled: compile inside it."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
+
+
+def allocation_events(prof) -> list[int]:
+    """The sizes of the allocations (positive) and frees (negative) torch's CPU allocator
+    reported to the profiler ``prof`` (``profile_memory=True``), in time order; read from its
+    private event tree (``kineto_results``), which is how torch's own memory views read them."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == _EventType.Allocation:
+            events.append((e.start_time_ns, e.extra_fields.alloc_size))
+    return [size for _, size in sorted(events)]

@@ -118,6 +118,8 @@ class Region:
         # A whole-graph planner decides from a plan cached for this code and these inputs
         # (checked against the structure as it records), or plans when the region ends.
         self.planning = None
+        # a planner across regions (policies.peak) follows the region's forward and backward
+        self.watch = None
         self.timing = spec.timing
         self.offload_inputs = spec.offloads_inputs  # computed inputs leave at the end
         # the recorder hands a policy that reads the op's values those (``tracer.deciding``)
@@ -125,8 +127,13 @@ class Region:
         # whether anything may be offloaded (region exit then settles the host copies)
         self.offloads = spec.may_offload
         if spec.planner is not None:
-            key = None if self.report else plan_key(spec.policy, code, module, args, kwargs)
-            self.planning = Planning(spec.planner, key, offload=spec.offloads_kept)
+            planner, bind = spec.planner, getattr(spec.planner, "bind", None)
+            if bind is not None:  # it hands each region a planner of its own (None: the policy decides)
+                planner, self.watch = bind(self, code, args, kwargs)
+            if planner is not None:
+                by = spec.policy if planner is spec.planner else (spec.policy, planner)
+                key = None if self.report else plan_key(by, code, module, args, kwargs)
+                self.planning = Planning(planner, key, offload=spec.offloads_kept)
         self.tracer = TracerMode(self.graph, self)
         # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
         # so nothing but the handles keeps the graph alive.
@@ -135,7 +142,8 @@ class Region:
             pack = lambda t: region().pack(t)  # noqa: E731
         else:
             pack = lambda t: region()._pack(t)  # noqa: E731
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+        unpack = _unpack if self.watch is None else self.watch.unpack
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     @property
     def policy(self):
@@ -296,6 +304,8 @@ class Region:
         for slot in self.kept:
             if slot.changed:
                 graph.add_slot(slot)
+        if self.watch is not None:  # (the graph whole, the kept handles still listed)
+            self.watch.finished(self)
         kept_groups = {slot.meta.group for slot in self.kept}
         kept, self.kept = self.kept, []
         wanted = [(s.meta.group, s.meta.state) for s in graph.slots()]  # not kept: memory

@@ -4,14 +4,16 @@ A policy is any callable ``policy(node) -> CheckpointPolicy`` (torch's own enum)
 here are frozen, hashable objects made by these factories; they print as the call that made
 them and key the plan cache. Per op: ``recompute_all`` (the default), ``save_all``,
 ``save_ops``, ``save_matmuls``, ``save_names``, ``offload_ops``, ``offload_names``. For the
-whole recorded graph (planners): ``memory_budget``, ``min_cut``. Combined and wrapped:
+whole recorded graph (planners): ``memory_budget``, ``min_cut``. For the whole model, one
+budget for the step's peak on the device: ``peak``. Combined and wrapped:
 ``either``, ``offload_kept``, ``offload_inputs``, ``replay_collectives``. See
 docs/guide/checkpointing.md and docs/guide/planners.md.
 
 The modules, bottom first: ``held`` (what every policy is), ``min_cut``, ``placement`` (keep,
 offload or replay: the cost model), ``planners``, ``plan_cache``, ``per_op``, ``wrappers``,
 ``collectives``, ``selective`` (torch's ``context_fn`` as a policy), ``spec`` (a policy's
-contract with its regions).
+contract with its regions), ``meter`` (device memory, read from outside tracedac) and ``peak``
+(one budget for a whole model).
 """
 
 from torch.utils.checkpoint import CheckpointPolicy
@@ -29,6 +31,7 @@ from ..record.decisions import (
 )
 from ..record.op_info import MATMUL_OPS
 from .collectives import replay_collectives
+from .peak import peak
 from .per_op import (
     either,
     offload_names,
@@ -60,6 +63,7 @@ __all__ = [
     "offload_kept",
     "offload_names",
     "offload_ops",
+    "peak",
     "recompute_all",
     "recompute_by_default",
     "replay_collectives",

@@ -168,6 +168,9 @@ def _decide(view, policy, wanted: set, baseline: set | None = None, later=lambda
             _refuse_offload(graph.name, policy, node)
     if planner is None:
         return
+    compiled = getattr(planner, "compiled_budget", None)  # policies.peak: the eager plan's bytes
+    if compiled is not None:
+        planner = MemoryBudget(compiled(graph.name))
     if getattr(planner, "offload", False) is not False:  # it would choose offloads: refused as they are
         _refuse_offload(graph.name, policy, None)
     for node in graph.nodes:
@@ -377,7 +380,8 @@ def _tag_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if marks:
             gm.recompile()
         return gm  # no region in this graph (the pass sees every joint graph once installed)
-    budgets = any(isinstance(spec_of(SPECS[key][0]).planner, MemoryBudget) for key, _ in runs if key in SPECS)
+    planners = [spec_of(SPECS[key][0]).planner for key, _ in runs if key in SPECS]
+    budgets = any(isinstance(p, MemoryBudget) or hasattr(p, "compiled_budget") for p in planners)
     baseline = untagged_saved(gm) if budgets else None
     run_of = {n: i for i, (_, run) in enumerate(runs, start=1) for n in run}
     for ac_graph_id, (key, nodes) in enumerate(runs, start=1):
