@@ -25,13 +25,47 @@ from tracedac.policies.peak import Point, allocate, knapsack_frontier, parse_byt
 from tracedac.policies.plan_cache import plans
 from tracedac.policies.planners import knapsack
 
-from .support.bench_models import Block, DecoderLayer, llama, moe
+from .support.decoders import Block, DecoderLayer, llama, moe
 from .support.hf_models import batch as hf_batch
 from .support.hf_models import build, needs_switch
 from .support.hf_models import loss as hf_loss
 from .support.live_bytes import LivePeak
 
 MiB = 1 << 20
+
+
+def alive() -> int:
+    """The bytes of every live tensor storage of the process now."""
+    gc.collect()
+    return LivePeak.everything().level
+
+
+# What the process held before the test began: the tests before it in the same process may
+# leave tensors alive (caches, fixtures: ~250 MiB in one CI run), which count on the device as
+# any other bytes do. Each slack below is a fraction of what the test's own model adds to it,
+# never of the process's total (1 % of 250 MiB would cover this model's whole range).
+FLOOR = [0]
+
+
+def fits(measured: int, budget: int, slack: float = 0.01) -> bool:
+    """``measured`` within ``budget``, up to ``slack`` of what is above the floor."""
+    return measured - FLOOR[0] <= (budget - FLOOR[0]) * (1 + slack)
+
+
+def above(a: int, b: int, frac: float) -> bool:
+    """``a`` exceeds ``b`` by more than ``frac`` of what ``b`` holds above the floor."""
+    return a - FLOOR[0] > (b - FLOOR[0]) * (1 + frac)
+
+
+def grown(b: int, frac: float) -> int:
+    """``b`` plus ``frac`` of what it holds above the floor."""
+    return FLOOR[0] + int((b - FLOOR[0]) * (1 + frac))
+
+
+@pytest.fixture(autouse=True)
+def floor():
+    FLOOR[0] = alive()
+    return FLOOR[0]
 
 
 @pytest.fixture(autouse=True)
@@ -70,9 +104,17 @@ def steady_peak(make, policy=None, steps: int = 3) -> int:
 
 
 @pytest.fixture(scope="module")
-def llama_range():
-    """Full recompute's and no checkpointing's peaks of the small Llama, as trained steps."""
-    return steady_peak(llama, policies.recompute_all()), steady_peak(llama)
+def llama_excess():
+    """Full recompute's and no checkpointing's peaks of the small Llama, as trained steps, less
+    what the process held before."""
+    base = alive()
+    return steady_peak(llama, policies.recompute_all()) - base, steady_peak(llama) - base
+
+
+@pytest.fixture
+def llama_range(llama_excess, floor):
+    """The two peaks over what the process holds at the test's start."""
+    return floor + llama_excess[0], floor + llama_excess[1]
 
 
 def test_a_budget_is_bytes_or_a_string_with_a_unit_and_nothing_else():
@@ -113,7 +155,7 @@ def test_the_measured_peak_stays_within_every_budget_from_full_recompute_to_none
     for budget in budgets:
         policy = policies.peak(budget)
         measured = steady_peak(llama, policy, steps=4)
-        assert measured <= budget * 1.01, (budget, measured, str(policy.report()))
+        assert fits(measured, budget), (budget, measured, str(policy.report()))
         peaks.append(measured)
     assert peaks == sorted(peaks), peaks
     assert peaks[-1] > peaks[0], "the largest budget kept nothing more than the least"
@@ -160,11 +202,11 @@ def test_the_measuring_step_runs_as_full_recompute_so_planning_never_exceeds_the
     full_recompute_first = train(recompute, batch, 1)[0]
     del recompute
     model, batch = llama()
-    policy = policies.peak(int(least * 1.01))  # at the edge
+    policy = policies.peak(grown(least, 0.01))  # at the edge
     tracedac.wrap(model, DecoderLayer, policy=policy)
     peaks = train(model, batch, 3)
-    assert peaks[0] <= full_recompute_first * 1.001 < first
-    assert max(peaks) <= least * 1.01
+    assert fits(peaks[0], full_recompute_first, 0.001) and above(first, full_recompute_first, 0.001)
+    assert fits(max(peaks), least)
 
 
 def test_a_budget_below_the_least_reachable_peak_names_the_least_and_what_holds_it(llama_range):
@@ -172,17 +214,17 @@ def test_a_budget_below_the_least_reachable_peak_names_the_least_and_what_holds_
     one that measured it (which ran keeping the least, so it fit if anything does)."""
     least, _ = llama_range
     model, batch = llama()
-    tracedac.wrap(model, DecoderLayer, policy=policies.peak(int(least * 0.9)))
+    tracedac.wrap(model, DecoderLayer, policy=policies.peak(grown(least, -0.1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train(model, batch, 1, opt)
     with pytest.raises(CheckpointError, match="cannot be met") as e:
         train(model, batch, 1, opt)
     said = re.search(r"least peak tracedac reaches on this step is ([0-9.]+) MiB", str(e.value))
     assert said is not None, str(e.value)
-    assert abs(float(said.group(1)) * MiB - least) <= 0.01 * least, (said.group(1), least / MiB)
+    assert abs(float(said.group(1)) * MiB - least) <= 0.01 * (least - FLOOR[0]), (said.group(1), least / MiB)
     assert "It occurs from" in str(e.value) and "raise the budget to at least" in str(e.value)
     # it said so once; the model still trains, keeping the least
-    assert train(model, batch, 2, opt)[-1] <= least * 1.01
+    assert fits(train(model, batch, 2, opt)[-1], least)
 
 
 def test_a_step_over_its_budget_is_planned_again_once_and_the_next_fits(llama_range):
@@ -208,7 +250,7 @@ def test_a_step_over_its_budget_is_planned_again_once_and_the_next_fits(llama_ra
     report = policy.report()
     assert report.replanned
     assert report.measured[0] > budget >= report.measured[1], report.measured
-    assert peaks[-1] <= budget * 1.01
+    assert fits(peaks[-1], budget)
 
 
 def test_after_planning_no_meter_is_left_and_regions_decide_from_the_cached_plan(llama_range):
@@ -326,10 +368,10 @@ def test_the_moe_model_whose_expert_shapes_change_every_step_stays_within_budget
     peaks = []
     for budget in (least + (most - least) // 3, least + 2 * (most - least) // 3, most):
         measured = steady_peak(moe, policies.peak(budget), steps=5)
-        assert measured <= budget * 1.01, (budget, measured)
+        assert fits(measured, budget), (budget, measured)
         peaks.append(measured)
-    assert all(b >= a * 0.99 for a, b in zip(peaks, peaks[1:])), peaks
-    assert peaks[-1] > peaks[0] * 1.01, peaks
+    assert all(above(b, a, -0.01) for a, b in zip(peaks, peaks[1:])), peaks
+    assert above(peaks[-1], peaks[0], 0.01), peaks
 
 
 @pytest.mark.slow
@@ -383,7 +425,7 @@ def test_hf_enable_takes_a_peak_budget_and_keeps_the_step_within_it():
     least, most = run(policies.recompute_all()), run(None)
     budget = (least + most) // 2
     policy = policies.peak(budget)
-    assert run(policy, steps=4) <= budget * 1.01
+    assert fits(run(policy, steps=4), budget)
     names = [name for name, *_ in policy.report().regions]
     assert names == ["model.layers.0", "model.layers.1", "model.layers.2"]
     assert sum(extra for _, extra, _, _ in policy.report().regions) > 0
@@ -418,7 +460,7 @@ def test_under_tracedac_zero_the_budget_counts_gathered_parameters_and_holds(wor
     least, _ = run(policies.recompute_all())
     budget = (least + most) // 2
     measured, losses = run(policies.peak(budget))
-    assert measured <= budget * 1.01
+    assert fits(measured, budget)
     assert torch.equal(losses, plain)
 
 
@@ -481,7 +523,7 @@ def test_peak_trade_off_measures_every_variant_and_each_budget_stays_within_itse
     budgets = [r for r in frontier if r.kind == "tracedac" and r.budget is not None]
     assert len(budgets) == 3 and all(r.error is None for r in budgets)
     for r in budgets:
-        assert r.peak <= r.budget * 1.01, (r.label, r.peak, r.budget)
+        assert fits(r.peak, r.budget), (r.label, r.peak, r.budget)
     ordered = sorted(budgets, key=lambda r: r.budget)
     assert [r.peak for r in ordered] == sorted(r.peak for r in ordered)
     plain = next(r for r in frontier if r.kind == "none")
@@ -509,9 +551,9 @@ def test_a_policys_musts_bind_the_plan_and_count_in_the_least_it_can_reach(llama
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     peaks = train(model, batch, 3, opt)
     peak_policy = policy.planner
-    assert peaks[-1] <= most * 1.01
+    assert fits(peaks[-1], most)
     with_matmuls = peak_policy.report().least
-    assert with_matmuls > least * 1.01  # the matmuls are kept in the least plan too
+    assert above(with_matmuls, least, 0.01)  # the matmuls are kept in the least plan too
     del model, opt
     gc.collect()
     model, batch = llama()
@@ -521,3 +563,21 @@ def test_a_policys_musts_bind_the_plan_and_count_in_the_least_it_can_reach(llama
     train(model, batch, 1, opt, measure=False)
     with pytest.raises(CheckpointError, match="cannot be met"):
         train(model, batch, 1, opt, measure=False)
+
+
+def test_peak_trade_off_of_a_model_tracedac_already_wraps_measures_each_variant_on_a_plain_copy():
+    """A user who wrapped the model first (as the guide's loop does) gets the same frontier: each
+    copy is made plain before its variant applies (else "no checkpoint" would still replay, and
+    wrapping again would nest), and the model itself keeps its regions."""
+    plain, batch = llama(layers=1)
+    wrapped = copy.deepcopy(plain)
+    tracedac.wrap(wrapped, DecoderLayer, policy=policies.recompute_all())
+
+    def frontier(model):
+        rows = tracedac.peak_trade_off(
+            model, DecoderLayer, lambda m: m(*batch), budgets=1, steps=1, compile_backend=None
+        )
+        return {r.label: r.peak for r in rows}
+
+    assert frontier(wrapped) == frontier(plain)
+    assert tracedac.is_checkpointed(wrapped.layers[0])

@@ -9,6 +9,7 @@
 - ``compiled_graphs``: the graphs AOTAutograd hands its compilers, and counts of tracedac's
   ops in them.
 - ``moe_model``: an MoE with a load-balancing bias (the Llama 4 / DeepSeek case).
+- ``decoders``: a small Llama and a small MoE GPT, whole models that train (tests/test_peak.py).
 - ``hf_models``: tiny transformers models; ``probe``: bytes in use at glibc's allocator.
 
 The dependencies run one way: tests -> tracedac, and tests/bench -> benchmarks -> tracedac.

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .._compat import activation_memory_budget
-from ..checkpoint import wrap
+from ..checkpoint import unwrap, wrap
 from ..errors import CheckpointError
 from ..matching import module_matcher, no_match_error
 from ..policies import MATMUL_OPS, peak, recompute_all
@@ -213,7 +213,8 @@ def peak_trade_off(
     variants). ``meter``: a ``Meter`` factory ``device -> Meter`` (default
     ``meter_for(device, compiled=True)``: torch.cuda's statistics, or the CPU allocator's profiled
     events, which see compiled code).
-    Every variant runs on a deep copy of ``model``; ``model`` itself is not trained.
+    Every variant runs on a deep copy of ``model``, made plain first where tracedac wraps it;
+    ``model`` itself is not trained and stays as it is.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"peak_trade_off() takes an nn.Module, got {type(model).__name__}")
@@ -229,7 +230,7 @@ def peak_trade_off(
     warmup = 4
 
     def measure(label, kind, budget, prepare, around=contextlib.nullcontext) -> PeakRow:
-        copy_ = prepare(copy.deepcopy(model))
+        copy_ = prepare(unwrap(copy.deepcopy(model)))  # (a model tracedac wraps: each copy made plain)
         try:
             most, median = _run(copy_, loss, optimizer, warmup, steps, meter_of, device, around)
         except CheckpointError as e:
