@@ -13,6 +13,10 @@ abilities as class attributes, and a flag of a policy they combine or wrap count
 - ``offloads_inputs``: the region's computed inputs leave the device at its end (``offload_inputs``).
 - ``reads_values``: asked with the op's real tensors (torch's selective checkpointing).
 - ``replays_collectives``: it decides functional collectives itself (``replay_collectives``).
+- ``structural``: it decides each node from what a repeated structure fixes (the op, its
+  outputs' shapes and dtypes, its labels), never from module paths, values or a state of its
+  own, so a call that repeats a recorded one may take that one's decisions (the warm path,
+  ``record/warm.py``). All of a combined or wrapped policy's policies must be.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ from .held import check_policy, hold
 from .planners import planner_of
 
 __all__ = ["PolicySpec", "spec_of"]
+
+
+def _all(policy, name: str) -> bool:
+    """Whether ``policy`` and every policy it combines or wraps are of classes that set ``name``."""
+    if getattr(policy, name, False) is not True:
+        return False
+    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
+    return all(p is None or p is policy or _all(p, name) for p in inner)
 
 
 def _flag(policy, name: str) -> bool:
@@ -46,6 +58,7 @@ class PolicySpec:
     offloads_inputs: bool  # the region's computed inputs go to host memory at its end
     reads_values: bool  # asked with the op's real tensors while it records
     replays_collectives: bool  # decides functional collectives itself (checked across ranks)
+    structural: bool = False  # decides from the structure alone: a repeated call may reuse its decisions
 
     @property
     def timing(self) -> bool:
@@ -72,4 +85,5 @@ def spec_of(policy) -> PolicySpec:
         offloads_inputs=_flag(policy, "offloads_inputs"),
         reads_values=_flag(policy, "reads_values"),
         replays_collectives=_flag(policy, "replays_collectives"),
+        structural=_all(policy, "structural"),
     )

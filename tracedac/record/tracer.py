@@ -312,7 +312,6 @@ class TracerMode(TorchDispatchMode):
             return decline(func, types, args, kwargs)
         info = _INFO.get(id(func))
         info = info[1] if info is not None else op_info(func)
-        storages = self.storages
         if info.view:
             if info.bare:
                 return func._op(*args, **kwargs)
@@ -354,8 +353,16 @@ class TracerMode(TorchDispatchMode):
             elapsed = _timed(func, args, kwargs)
             out = elapsed[0]
         else:
+            elapsed = None
             out = func._op(*args, **kwargs)  # what OpOverload.__call__ does, one Python frame less
+        return self._record(func, info, args, kwargs, margs, mkwargs, written, rng, out, elapsed)
 
+    def _record(self, func, info, args, kwargs, margs, mkwargs, written, rng, out, elapsed) -> object:
+        """What an op that has run leaves in the graph: its node (if it allocated or wrote a
+        storage), the groups of the storages it made, its decision; returns ``out``. Split
+        from ``__torch_dispatch__`` for the warm path (``warm.py``), which ran the op itself
+        before finding it was not the one its template expected."""
+        storages = self.storages
         for t, g, cdata, nbytes in written:
             storage = t.untyped_storage()
             if storage._cdata != cdata or (storage.nbytes() != nbytes and info.rebinds):
