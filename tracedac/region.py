@@ -82,11 +82,11 @@ def _unpack_warm(region, handle):
 
 
 def _warm_key(spec, code, module, args, kwargs):
-    """What a region's template is cached by (None: not cacheable): its policy, the code run,
+    """What a region's template is cached by (None: not cacheable): its policy (as a value), the code run,
     the module's class and mode, the inputs' shapes, dtypes, devices and ``requires_grad``.
     Everything else a call does is checked against the template as it runs."""
     key = (
-        spec.policy,
+        spec.value,
         code,
         None if module is None else (type(module), module.training),
         input_signature(args, kwargs),

@@ -21,6 +21,7 @@ abilities as class attributes, and a flag of a policy they combine or wrap count
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from torch.utils.checkpoint import CheckpointPolicy
@@ -59,6 +60,9 @@ class PolicySpec:
     reads_values: bool  # asked with the op's real tensors while it records
     replays_collectives: bool  # decides functional collectives itself (checked across ranks)
     structural: bool = False  # decides from the structure alone: a repeated call may reuse its decisions
+    # the policy as a value holding no policy object (its class and fields), for the warm path's
+    # cache key: a policy made every step (policy=save_names(...) in the loop) is not kept by it
+    value: object = None
 
     @property
     def timing(self) -> bool:
@@ -86,4 +90,14 @@ def spec_of(policy) -> PolicySpec:
         reads_values=_flag(policy, "reads_values"),
         replays_collectives=_flag(policy, "replays_collectives"),
         structural=_all(policy, "structural"),
+        value=_value(policy),
     )
+
+
+def _value(x):
+    """A frozen dataclass policy as (its class, its fields' values), policies inside it in turn."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x), tuple(_value(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    if isinstance(x, (tuple, list)):
+        return tuple(_value(y) for y in x)
+    return x

@@ -67,6 +67,7 @@ def convert(warm, region, i: int, extra: OpEvent | None = None) -> None:
     warm.pins = []
     tracer.rng_last = {gen: last for gen, last in warm.rng_last.items() if last[0] < n_nodes}
     tracer._packed = [(slot, x, x._version) for slot, x in warm.last_packs]
+    tracer._written = warm.settling
     region.raw_held = {gid: (groups[gid], x) for gid, x in warm.raw.items() if gid < n_groups}
     # The decisions, in the order the recorder made them. What was held stays held: the
     # template held what a recorded call with this policy (and this plan) holds.

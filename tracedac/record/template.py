@@ -139,7 +139,8 @@ class OpEvent:
     index of the node it recorded, or -1; ``snap``: ``(path, gid)`` of outside storages to copy
     before their first write; ``holds``: ``(where, gid)`` of the tensors the recorder held for
     backward after it (``("out", k)`` or ``("arg", path)``); ``drop``: vids whose last use this
-    is; ``n_nodes``/``n_groups``: the graph's size before it (what a fallback rebuilds)."""
+    is; ``n_nodes``/``n_groups``: the graph's size before it (what a fallback rebuilds);
+    ``settles``/``settle``: see ``TracerMode.settle_packed``."""
 
     __slots__ = (
         "op",
@@ -160,6 +161,8 @@ class OpEvent:
         "drop",
         "n_nodes",
         "n_groups",
+        "settles",
+        "settle",
         "simple",
     )
 
@@ -182,6 +185,12 @@ class OpEvent:
         self.drop = ()
         self.n_nodes = 0
         self.n_groups = 0
+        # (index among the packs since the last node, meta after the write): tensors autograd
+        # saved for this op that it then wrote without bumping their version counter (rrelu's
+        # noise, batch norm's running statistics): their handles take the state after the
+        # write (``TracerMode._saw_write``), checked at the next node (``settle``)
+        self.settles = ()
+        self.settle = False
         self.simple = False
 
 
@@ -354,13 +363,21 @@ def build(events: list, n_vids: int, graph, starts: dict, needed, kept_groups: s
             e.outs = outs
             e.out1 = outs[0] if len(outs) == 1 else None
             e.simple = (
-                e.rest is None
+                not e.settles
+                and not e.settle
+                and e.rest is None
                 and not e.first
                 and not e.snap
                 and not e.seeded
                 and not e.dynamic
                 and e.out1 is not None
             )
+    pending = False
+    for e in events:  # the node after one that wrote what it saved settles the handles
+        if isinstance(e, OpEvent) and e.node >= 0:
+            e.settle = pending
+            e.simple = e.simple and not pending
+            pending = bool(e.settles)
     t.events = events
     nodes = graph.nodes
     t.nodes = [copy_node(n) for n in nodes]

@@ -69,7 +69,7 @@ _Tensor = torch.Tensor
 _NO_KWARGS: dict = {}
 _SEQUENCES = (list, tuple)
 _stats_lock = threading.Lock()
-_STATS = {"recorded": 0, "warm": 0, "fell_back": 0, "templates": 0}
+_STATS = {"warm": 0, "fell_back": 0, "templates": 0}
 
 
 def _from_environment() -> bool:
@@ -104,14 +104,15 @@ def enabled() -> bool:
 
 
 def stats() -> dict:
-    """Counts since start: region calls ``recorded`` in full, run ``warm`` to the end, that
-    ``fell_back`` to a full record midway, and ``templates`` built."""
+    """Counts since start: region calls run ``warm`` to the end, that ``fell_back`` to a full
+    record midway, ``templates`` built, and ``unwarmable: <why>`` per key that records in full
+    for good because of what its record did."""
     return dict(_STATS)
 
 
 def _count(what: str) -> None:
     with _stats_lock:
-        _STATS[what] += 1
+        _STATS[what] = _STATS.get(what, 0) + 1
 
 
 _DYNAMIC: dict = {}  # id(op) -> (op, whether its outputs' geometry can depend on values)
@@ -185,6 +186,10 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
+def _index(items: list, x) -> int:
+    return next(k for k, y in enumerate(items) if y is x)
+
+
 class _Diverged(Exception):
     """Internal: the call stopped following its template."""
 
@@ -230,6 +235,7 @@ class WarmMode(TorchDispatchMode):
             self.ids: dict = {}
             self.refs: list = []
             self.pending: list = []  # (group id, tensor) held during the current event
+            self.packs_since: list = []  # handles packed since the last recorded node
             return
         self.cold = None
         self.log = None
@@ -247,6 +253,7 @@ class WarmMode(TorchDispatchMode):
         self.rng_last: dict = {}  # generator -> (index of its last random node, state after)
         self.labels: list = []  # (node index, label) given in this call, in order
         self.last_packs: list = []  # (slot, tensor) packed since the last recorded node
+        self.settling: list = []  # (slot, tensor, its version, meta after) to settle at the next node
         self.graph = region.graph
         self.kept = region.kept
 
@@ -335,6 +342,8 @@ class WarmMode(TorchDispatchMode):
             self._unbind(bound)
             return self._diverge(func, types, args, kwargs)
         self.i += 1
+        if e.settle:
+            self._settle()
         for path, gid in e.snap:  # an outside storage about to be written for the first time
             with torch._C._DisableTorchDispatch():
                 self.snap[gid] = at(args, kwargs, path).untyped_storage().clone()
@@ -357,9 +366,20 @@ class WarmMode(TorchDispatchMode):
             vals[v] = None
         if e.holds:
             self._hold(e.holds, args, kwargs, flat, None)
+        if e.settles:  # autograd bumps a written tensor's version after this returns
+            packs = self.last_packs
+            self.settling = [(packs[k][0], packs[k][1], packs[k][1]._version, m) for k, m in e.settles]
         if e.node >= 0 and self.last_packs:
             self.last_packs = []
         return out
+
+    def _settle(self) -> None:
+        """``TracerMode.settle_packed``: a handle takes the state after its op's write unless
+        that write bumped the tensor's version counter (then eager's backward would refuse it)."""
+        for slot, t, version, after in self.settling:
+            if t._version == version:
+                slot.meta = after
+        self.settling = []
 
     def _outputs(self, e: OpEvent, flat) -> bool:
         """Check the outputs against the event, then register them; False (nothing
@@ -598,6 +618,8 @@ class WarmMode(TorchDispatchMode):
             return False
         t = self.template
         graph = region.graph
+        if self.settling:
+            self._settle()
         kept = region.kept
         changed = [s for s in kept if s.changed]
         wanted = {(s.meta.group, s.meta.state) for s in graph.slots()}
@@ -791,8 +813,14 @@ class WarmMode(TorchDispatchMode):
                 if g is not None and g.creator is None and len(g.mutations) == 1 and g.mutations[0] is node:
                     if all(s[1] != g.id for s in snaps):
                         snaps.append((path, g.id))
-        if tracer._written or any(g.grows for g in graph.groups[n_groups:]):
-            self.unwarmable = f"{func} wrote a tensor it saved, or grew a storage"
+        settles = ()
+        if node is not None:
+            if tracer._written:  # (this node's: the last node's were settled when it was recorded)
+                packs = self.packs_since
+                settles = tuple((_index(packs, slot), after) for slot, _, _, after in tracer._written)
+            self.packs_since = []
+        if any(g.grows for g in graph.groups[n_groups:]):
+            self.unwarmable = f"{func} grew a storage in place"
         e = OpEvent(
             func,
             info.run if info.view else func._op,
@@ -810,6 +838,7 @@ class WarmMode(TorchDispatchMode):
         )
         e.holds = self._sources(self.pending, args, kw, flat, None)
         e.n_nodes, e.n_groups = n_nodes, n_groups
+        e.settles = settles
         if info.seeded and node is None:
             self.unwarmable = f"{func} drew random numbers and made no node"
         self.log.append(e)
@@ -865,6 +894,7 @@ class WarmMode(TorchDispatchMode):
         e = PackEvent(v, first, kind, m, owned)
         e.n_nodes, e.n_groups = n_nodes, n_groups
         self.log.append(e)
+        self.packs_since.append(slot)
         return slot
 
     def logged_label(self, t, label: str, run) -> None:
@@ -897,6 +927,7 @@ class WarmMode(TorchDispatchMode):
             why = "a write grew a storage"
         if why is not None:
             TEMPLATES.put(self.cache_key, None).cold = True
+            _count(f"unwarmable: {why}")
             return
         planning = region.planning
         if planning is not None and (planning.planned_now or planning.cached is None):
