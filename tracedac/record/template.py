@@ -106,7 +106,10 @@ def same(a, b) -> bool:
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
         return False  # a tensor is never a constant: the event checks it by identity
-    return bool(a == b)
+    try:
+        return bool(a == b)
+    except Exception:  # (an object that cannot say: a process group's option, say) differs
+        return False
 
 
 class FirstSight:

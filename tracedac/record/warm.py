@@ -288,7 +288,11 @@ class WarmMode(TorchDispatchMode):
                 if not same(args[p], c):
                     return self._diverge(func, types, args, kwargs)
             self.i = i + 1
-            out = e.run(*args)
+            try:
+                out = e.run(*args)
+            except BaseException:
+                self._raised(i)
+                raise
             vid, what, gid, store = e.out1
             if type(out) is not _Tensor:
                 return self._after(e, func, args, kwargs, out, None)
@@ -355,7 +359,11 @@ class WarmMode(TorchDispatchMode):
             with torch._C._DisableTorchDispatch():
                 follows = last[0] if last is not None and torch.equal(last[1], state) else None
             rng = (gen, state, follows)
-        out = e.run(*args, **kwargs)
+        try:
+            out = e.run(*args, **kwargs)
+        except BaseException:
+            self._raised(self.i - 1)
+            raise
         flat = (out,) if isinstance(out, _Tensor) else flatten_outputs(out)
         if len(flat) != len(e.outs) or not self._outputs(e, flat):
             return self._after(e, func, args, kwargs, out, rng)
@@ -495,6 +503,12 @@ class WarmMode(TorchDispatchMode):
 
         self.fall_back(extra=e)
         return record_ran(self.cold, func, args, kwargs or _NO_KWARGS, out, rng)
+
+    def _raised(self, i: int) -> None:
+        """Event ``i``'s op raised (the program may catch it and go on): the recorder records
+        nothing for an op that raised, so neither does the call, which records from here."""
+        self.i = i
+        self.fall_back()
 
     def fall_back(self, extra: OpEvent | None = None) -> None:
         """Become a recorded call: the recorder's state rebuilt from the events that matched
