@@ -143,6 +143,35 @@ def moe(rank, world):
     return eager(rank, world, "moe")
 
 
+def warm(rank, world):
+    """Each block repeated under each policy (the warm path, record/warm.py: the first call
+    records a template, the next ones run it): {kind: {policy: [(forward counts, backward
+    counts, gradient difference from plain) per step], "plain": (forward, backward)}}, and how
+    many calls ran warm."""
+    from tracedac.policies.plan_cache import plans
+    from tracedac.record import warm as warm_path
+    from tracedac.record.template import TEMPLATES
+
+    out = {}
+    before = warm_path.stats()["warm"]
+    for kind, make in (("moe", lambda: MoE(world)), ("all_reduce", RowParallel), ("c10d", GlobalScale)):
+        block, x = _inputs(rank, make)
+        fwd, bwd, want = _step(block, x)
+        out[kind] = {"plain": (fwd, bwd)}
+        for name, policy in POLICIES.items():
+            TEMPLATES.clear()
+            plans.entries.clear()  # (a plan cached by an earlier part would make its template a call early)
+            tracedac.checkpoint(block, policy=policy())
+            steps = []
+            for _ in range(3):
+                fwd, bwd, got = _step(block, x)
+                steps.append((fwd, bwd, _difference(got, want)))
+            out[kind][name] = steps
+            tracedac.unwrap(block)
+    out["warm"] = warm_path.stats()["warm"] - before
+    return out
+
+
 def all_reduce(rank, world):
     return eager(rank, world, "all_reduce")
 

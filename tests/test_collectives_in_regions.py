@@ -25,7 +25,7 @@ POLICIES = tuple(cw.POLICIES)
 
 @pytest.fixture(scope="module")
 def eager_ranks():
-    parts = [("moe", ()), ("all_reduce", ()), ("c10d", ()), ("outside", ()), ("refusals", ())]
+    parts = [("moe", ()), ("all_reduce", ()), ("c10d", ()), ("outside", ()), ("refusals", ()), ("warm", ())]
     return run_ranks(cw.several, 2, parts, timeout=120)
 
 
@@ -52,6 +52,20 @@ def test_a_checkpointed_moe_block_issues_as_many_all_to_alls_as_without_checkpoi
         assert backward == {"c10d_functional.all_to_all_single": 2}, backward
         assert r[policy][:2] == (forward, backward), r[policy]
         assert r[policy][2] == 0.0, r[policy]
+
+
+def test_a_region_repeated_warm_issues_its_collectives_once_and_keeps_them(eager_ranks):
+    """The warm path (record/warm.py) runs a region's collectives once per forward, as the
+    forward does, and keeps their results as a recorded call does: every step's collectives and
+    gradients those of no checkpointing, under every policy, with the steps after the first (a
+    planner's: the second) run warm. Without keeping them, backward would issue them again."""
+    for r in part(eager_ranks, "warm"):
+        for kind in ("moe", "all_reduce", "c10d"):
+            plain = r[kind]["plain"]
+            for policy in POLICIES:
+                for forward, backward, difference in r[kind][policy]:
+                    assert (forward, backward) == plain and difference == 0.0, (kind, policy, r[kind][policy])
+        assert r["warm"] == 3 * (2 + 2 + 1 + 1), r["warm"]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

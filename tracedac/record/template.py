@@ -87,6 +87,22 @@ def exact_arguments(op) -> tuple:
     return tuple(_exact(a.type) for a in args), frozenset(a.name for a in args if _exact(a.type))
 
 
+class Opaque:
+    """A constant a warm call cannot compare, checked by its type only: a TorchScript object
+    an op with an effect takes (``c10d::allreduce_``'s process group and ``ReduceOp``, wrapped
+    anew at every call, which neither compare nor serialize). Only where the op is never
+    replayed (a collective, kept under every policy a warm region may have:
+    ``decisions.effect``), so what it computed is kept, never computed again with this."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def matches(self, a) -> bool:
+        return isinstance(a, torch.ScriptObject) and a._type().qualified_name() == self.name
+
+
 def same(a, b) -> bool:
     """Whether two constants mean the same to an op: equal, of the same type (``2`` and ``2.0``
     are different Scalars), floats with the same sign of zero (``x * -0.0`` and ``x * 0.0``
@@ -95,7 +111,7 @@ def same(a, b) -> bool:
         return True
     t = type(a)
     if t is not type(b):
-        return False
+        return type(b) is Opaque and b.matches(a)
     if t is float:
         if a != a:
             return b != b

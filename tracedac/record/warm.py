@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._compat import dynamo_off, dynamo_restore
+from .decisions import effect
 from .graph import Group, Layout, TensorMeta, flatten_outputs
 from .op_info import _INFO, op_info
 from .op_info import storage_address as _address
@@ -51,6 +52,7 @@ from .template import (
     VIEW,
     FirstSight,
     LabelEvent,
+    Opaque,
     OpEvent,
     PackEvent,
     at,
@@ -788,6 +790,8 @@ class WarmMode(TorchDispatchMode):
                 rest_pos.append((p, self._spec(a, (p, None), False, firsts, pending)))
             elif p < len(exact_pos) and exact_pos[p]:
                 consts.append((p, a))
+            elif isinstance(a, torch.ScriptObject) and effect(func) is not None:
+                strict.append((p, Opaque(a._type().qualified_name())))  # (never replayed: kept)
             else:
                 strict.append((p, a))
         keywords = {k: self._spec(a, (k, None), k in exact_kw, firsts, pending) for k, a in kw.items()}
