@@ -59,19 +59,6 @@ def _unpack(handle):
     return handle.unpack()
 
 
-def _pack_hook(region, t):
-    """What autograd saves in a region: a handle (``Region._pack``; a warm call's, or a logging
-    call's: ``WarmMode``)."""
-    r = region()
-    w = r.warm
-    if w is not None:
-        if w.cold is None:
-            return w.pack(t)
-        if w.log is not None:
-            return w.logged_pack(t)
-    return r._pack(t)
-
-
 def _unpack_warm(region, handle):
     """Unpacking a handle of a region that may still run warm: replay reads the recorded graph,
     which a warm call has not made yet (``WarmMode.unpacking``)."""
@@ -137,16 +124,8 @@ class Region:
         self.prefix = prefix  # "blocks.3." when the region is named by its module's qualified name
         reporting = getattr(_local, "reporting", None)
         self.report = report or reporting is not None
-        warm = (
-            _warm.enabled()
-            and spec.structural
-            and not self.report
-            and not spec.timing
-            and not spec.reads_values
-            and not spec.may_offload
-            and not spec.replays_collectives
-            and not _stack()  # (a nested region records: it reads the enclosing one's groups)
-        )
+        # (a nested region records: it reads the enclosing one's groups)
+        warm = spec.warm and not self.report and _warm.enabled() and not _stack()
         # module paths cost two hooks per module call: only for policies and reports that read
         # them (a structural policy never does)
         self.tracks_modules = self.report or (self.constant is None and not warm)
@@ -197,8 +176,10 @@ class Region:
         region = weakref.ref(self)
         if self.report:
             pack = lambda t: region().pack(t)  # noqa: E731
+        elif self.warm is not None:
+            pack = self.warm.pack  # (holds the region only until it ends: WarmMode.close)
         else:
-            pack = functools.partial(_pack_hook, region)
+            pack = lambda t: region()._pack(t)  # noqa: E731
         unpack = _unpack if self.warm is None else functools.partial(_unpack_warm, region)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -405,7 +386,7 @@ class Region:
                 raise
             check_agreement(graph, frozenset(p.nodes))
         if warm is not None:
-            warm.keep(self, p, kept_groups, wanted)  # a logging call's template, before the release
+            warm.keep(self, p, kept_groups)  # a logging call's template, before the release
         self._release(p, kept_groups)
         if self.offloads:  # what is still held of an offloaded result: to host if replay reads it
             leave_device(graph.groups, kept)

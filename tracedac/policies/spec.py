@@ -22,6 +22,7 @@ abilities as class attributes, and a flag of a policy they combine or wrap count
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from torch.utils.checkpoint import CheckpointPolicy
@@ -64,16 +65,30 @@ class PolicySpec:
     # cache key: a policy made every step (policy=save_names(...) in the loop) is not kept by it
     value: object = None
 
-    @property
+    # (read by every region: worked out on first use, then kept)
+    @functools.cached_property
     def timing(self) -> bool:
         """Whether the planner prices replay by recorded durations (the region times its ops)."""
         return getattr(self.planner, "cost", None) == "time"
 
-    @property
+    @functools.cached_property
     def may_offload(self) -> bool:
         """Whether anything may go to host memory (the region settles host copies at its end)."""
         planner_offloads = self.planner is not None and getattr(self.planner, "offload", False) is not False
         return self.offloads_kept or self.offloads_inputs or planner_offloads
+
+    @functools.cached_property
+    def warm(self) -> bool:
+        """Whether its regions may run warm (``record/warm.py``): it decides from the structure
+        alone, and none of what the warm path leaves to a full record (timing ops, reading their
+        values, offloading, replaying collectives checked across ranks)."""
+        return (
+            self.structural
+            and not self.timing
+            and not self.reads_values
+            and not self.may_offload
+            and not self.replays_collectives
+        )
 
 
 def spec_of(policy) -> PolicySpec:

@@ -62,9 +62,27 @@ def convert(warm, region, i: int, extra: OpEvent | None = None) -> None:
         groups.append(g)
     graph.nodes = nodes
     graph.groups = groups
-    tracer.storages = {a: groups[gid] for a, gid in warm.addr.items()}
-    tracer._pins = warm.pins
-    warm.pins = []
+    # The storages the recorder must know from now on: those of the tensors this call still
+    # holds (outside tensors, tensors a later event of the template reads, held results, kept
+    # handles, the last packed). A storage of the region that none of them is on can be reached
+    # only through tensors the template never reads again: to the recorder, from here, a new
+    # outside storage, the same one at every use (the group of its earlier states replays on
+    # its own copy), as a storage first seen is.
+    storages, pins = tracer.storages, tracer._pins
+    vid_gid = t.vid_gid
+    live = [(x, gid) for gid, x in warm.ext.items()]
+    live += [
+        (x, vid_gid[v]) for v, x in enumerate(warm.vals or ()) if x is not None and vid_gid[v] is not None
+    ]
+    live += [(x, gid) for gid, x in warm.held.items()]
+    live += [(s.tensor, s.meta.group) for s in region.kept if s.tensor is not None]
+    live += [(x, s.meta.group) for s, x in warm.last_packs]
+    for x, gid in live:
+        if gid < n_groups:
+            storage = x.untyped_storage()
+            if storage._cdata not in storages:
+                storages[storage._cdata] = groups[gid]
+                pins.append(storage._weak_ref())
     tracer.rng_last = {gen: last for gen, last in warm.rng_last.items() if last[0] < n_nodes}
     tracer._packed = [(slot, x, x._version) for slot, x in warm.last_packs]
     tracer._written = warm.settling

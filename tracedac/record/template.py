@@ -50,6 +50,7 @@ __all__ = [
 
 # What an op's tensor output is, in the event that made it.
 VIEW, CREATED, ALIAS, SAME = 0, 1, 2, 3
+VIEWS = 4  # (an event's ``what``: several outputs, all views)
 # What a saved tensor's handle is (``Region._pack``): the input itself (as eager keeps it), a
 # detached alias of a result the policy keeps, or nothing (rebuilt by replay).
 EXACT, KEPT, PLAIN = 0, 1, 2
@@ -135,9 +136,9 @@ class FirstSight:
     ``meta`` its geometry; ``layout`` instead for an argument whose values the op never reads
     (``empty_like``'s self), of which only the layout counts."""
 
-    __slots__ = ("vid", "path", "gid", "new", "meta", "device", "layout", "store")
+    __slots__ = ("vid", "path", "gid", "new", "meta", "device", "layout", "store", "cls")
 
-    def __init__(self, vid, path, gid, new, meta, device, layout=None):
+    def __init__(self, vid, path, gid, new, meta, device, layout=None, cls=torch.Tensor):
         self.vid = vid
         self.path = path  # (position or keyword, index in a list or None)
         self.gid = gid
@@ -146,6 +147,7 @@ class FirstSight:
         self.device = device
         self.layout = layout  # a Layout, for a layout-only argument (gid None)
         self.store = False  # whether a later event uses it (set by ``build``)
+        self.cls = cls  # its class (a plain tensor, a Parameter): another one is checked again
 
 
 class OpEvent:
@@ -171,7 +173,10 @@ class OpEvent:
         "rest",
         "first",
         "outs",
-        "out1",
+        "vid",
+        "what",
+        "gid",
+        "store",
         "node",
         "snap",
         "seeded",
@@ -182,6 +187,9 @@ class OpEvent:
         "n_groups",
         "settles",
         "settle",
+        "reset",
+        "alias_arg",
+        "vids",
         "simple",
     )
 
@@ -195,7 +203,8 @@ class OpEvent:
         self.rest = rest
         self.first = first
         self.outs = outs
-        self.out1 = None  # (vid, what, gid, store) for the common single-tensor result (``build``)
+        # the common single-tensor result, for the fast path (``build``): outs[0]'s fields
+        self.vid, self.what, self.gid, self.store = -1, -1, None, False
         self.node = node
         self.snap = snap
         self.seeded = seeded
@@ -210,23 +219,28 @@ class OpEvent:
         # write (``TracerMode._saw_write``), checked at the next node (``settle``)
         self.settles = ()
         self.settle = False
+        self.reset = False  # a node after packs: they are no longer the last ones (``build``)
+        self.alias_arg = None  # for an ALIAS result: the position of the argument it shares a storage with
+        self.vids = 0  # how many vids earlier events registered (``build``)
         self.simple = False
 
 
 class PackEvent:
     """Autograd saved a tensor: ``vid`` (or ``first``), handled as ``kind`` with ``meta``;
-    ``owned``: for an outside tensor saved before any write, whether a ``REBUILDERS`` owner
-    claimed it (None: not asked, the recorder did not)."""
+    ``owned``: for an outside tensor saved before any write (``outside``), whether a
+    ``REBUILDERS`` owner claimed it (None: none was asked)."""
 
-    __slots__ = ("vid", "first", "kind", "meta", "owned", "drop", "n_nodes", "n_groups")
+    __slots__ = ("vid", "first", "kind", "meta", "owned", "outside", "drop", "n_nodes", "n_groups", "vids")
     op = None  # never an op: an op dispatched where a pack was expected is a divergence
 
-    def __init__(self, vid, first, kind, meta, owned):
-        self.vid = vid
+    def __init__(self, vid, first, kind, meta, owned, outside):
+        self.vid = -1 if vid is None else vid  # (-1: a first sight)
         self.first = first
         self.kind = kind
         self.meta = meta
         self.owned = owned
+        self.outside = outside  # an outside tensor before any write: where REBUILDERS are asked
+        self.vids = 0
         self.drop = ()
         self.n_nodes = 0
         self.n_groups = 0
@@ -236,7 +250,7 @@ class LabelEvent:
     """``tracedac.name(t, label)``: ``node`` (its index, or -1) got the label; ``holds`` as an
     op event's, with ``("label", None)`` for ``t`` itself."""
 
-    __slots__ = ("vid", "first", "label", "node", "holds", "drop", "n_nodes", "n_groups")
+    __slots__ = ("vid", "first", "label", "node", "holds", "drop", "n_nodes", "n_groups", "vids")
     op = None
 
     def __init__(self, vid, first, label, node):
@@ -248,6 +262,7 @@ class LabelEvent:
         self.drop = ()
         self.n_nodes = 0
         self.n_groups = 0
+        self.vids = 0
 
 
 def at(args, kwargs, path):
@@ -299,10 +314,11 @@ class Template:
     node, decided, for a fallback to copy; ``groups``: per group id ``(nbytes, device,
     creator index or None, mutation indices)``), and the graph a finished call leaves, as the
     region's end would release it (``released``: the node list; ``shared``: the groups no call
-    gives a tensor, shared by every call; ``own``: ``(gid, source kind)`` of the groups each call
-    makes for itself, holding its tensors; ``random``: the indices of the replayed random
+    gives a tensor, shared by every call; ``own``: ``(gid, source kind, nbytes, device, creator,
+    mutations)`` of the groups each call makes for itself, holding its tensors (a node, or the
+    index of a random node copied per call); ``random``: the indices of the replayed random
     nodes, copied per call with its generator states; ``needed``: the nodes replay may run).
-    ``wanted``: the (group, state) pairs the handles still wanted at the end; ``plan_entry``:
+    ``wanted_metas``: the metas of the handles replay was to rebuild at the end; ``plan_entry``:
     the plan cache's entry it was decided by (a planner's), to notice when that changed."""
 
     __slots__ = (
@@ -315,9 +331,12 @@ class Template:
         "own",
         "random",
         "needed",
-        "wanted",
         "plan_entry",
         "n_vids",
+        "handlers",
+        "vid_gid",
+        "wanted_metas",
+        "outer",
     )
 
     def __init__(self):
@@ -330,9 +349,12 @@ class Template:
         self.own: tuple = ()
         self.random: tuple = ()
         self.needed: frozenset = frozenset()
-        self.wanted: frozenset = frozenset()
         self.plan_entry = None
         self.n_vids = 0
+        self.handlers: tuple = ()  # per event, the function that checks it (``handlers.make``)
+        self.vid_gid: tuple = ()  # per vid, the group of its storage (None: a layout-only argument)
+        self.wanted_metas: frozenset = frozenset()  # the metas of the handles wanted at the end
+        self.outer = False  # whether an outside tensor's group starts from a REBUILDERS owner's handle
 
 
 def copy_node(node: Node, rng=None, forget=False) -> Node:
@@ -355,13 +377,16 @@ def copy_node(node: Node, rng=None, forget=False) -> Node:
     return n
 
 
-def build(events: list, n_vids: int, graph, starts: dict, needed, kept_groups: set, wanted) -> Template:
+def build(
+    events: list, vid_gid: list, graph, starts: dict, needed, kept_groups: set, wanted_metas
+) -> Template:
     """The template of a call that recorded ``graph`` (not yet released) and logged ``events``;
     ``starts``/``needed``: its end's replay plan (group -> (source kind, state); the nodes it
-    runs), ``kept_groups``: the groups of the handles kept, ``wanted``: the (group, state) pairs
-    the other handles want."""
+    runs), ``kept_groups``: the groups of the handles kept, ``wanted_metas``: the metas of the
+    handles replay is to rebuild (the very objects the pack events hand a warm call's handles)."""
     t = Template()
-    t.n_vids = n_vids
+    t.n_vids = len(vid_gid)
+    t.vid_gid = tuple(vid_gid)
     # The last event that reads each tensor: a warm call holds it from its first sight (or the
     # op that made it) until then, and no longer, so it never outlives the program's own use.
     last: dict[int, int] = {}
@@ -371,7 +396,13 @@ def build(events: list, n_vids: int, graph, starts: dict, needed, kept_groups: s
     drops: dict[int, list] = {}
     for v, i in last.items():
         drops.setdefault(i, []).append(v)
+    born = 0
     for i, e in enumerate(events):
+        e.vids = born  # vids are numbered in the order events register them
+        for f in _firsts(e):
+            born = max(born, f.vid + 1)
+        if isinstance(e, OpEvent):
+            born = max([born] + [o[0] + 1 for o in e.outs if o is not None])
         e.drop = tuple(drops.get(i, ()))
         for f in _firsts(e):
             f.store = f.vid in last
@@ -380,23 +411,29 @@ def build(events: list, n_vids: int, graph, starts: dict, needed, kept_groups: s
                 None if o is None else (o[0], o[1], o[2], o[1] != SAME and o[0] in last) for o in e.outs
             )
             e.outs = outs
-            e.out1 = outs[0] if len(outs) == 1 else None
+            if len(outs) == 1 and outs[0] is not None:
+                e.vid, e.what, e.gid, e.store = outs[0]
+            elif outs and all(o is not None and o[1] == VIEW for o in outs):
+                e.what = VIEWS  # (split, chunk, unbind: views, stored by position)
+                e.vid = tuple((k, o[0]) for k, o in enumerate(outs) if o[3])
             e.simple = (
                 not e.settles
                 and not e.settle
                 and e.rest is None
-                and not e.first
                 and not e.snap
                 and not e.seeded
                 and not e.dynamic
-                and e.out1 is not None
+                and e.what >= 0
             )
-    pending = False
-    for e in events:  # the node after one that wrote what it saved settles the handles
-        if isinstance(e, OpEvent) and e.node >= 0:
-            e.settle = pending
+    pending = packed = False
+    for e in events:
+        if isinstance(e, PackEvent):
+            packed = True
+        elif isinstance(e, OpEvent) and e.node >= 0:
+            e.settle = pending  # the node after one that wrote what it saved settles the handles
             e.simple = e.simple and not pending
             pending = bool(e.settles)
+            e.reset, packed = packed, False
     t.events = events
     nodes = graph.nodes
     t.nodes = [copy_node(n) for n in nodes]
@@ -424,12 +461,15 @@ def build(events: list, n_vids: int, graph, starts: dict, needed, kept_groups: s
         g = graph.groups[gid]
         kind = starts.get(gid, (None,))[0]
         writers = ([g.creator] if g.creator is not None else []) + list(g.mutations)
-        for n in writers:
-            _released_node(t, n)  # (an argument-less copy made once for what replay never runs)
         if kind not in (None, "create") or any(n.index in per_call_nodes for n in writers):
-            own.append(
-                (gid, None if kind == "create" else kind)
-            )  # holds a tensor of the call, or refers to its random nodes
+            # made per call: it holds a tensor of the call, or refers to its random nodes (an
+            # index here, for the call's copy); the nodes it refers to are made once
+            def ref(n):
+                return n.index if n.index in per_call_nodes else _released_node(t, n)
+
+            creator = None if g.creator is None else ref(g.creator)
+            kind = None if kind == "create" else kind
+            own.append((gid, kind, g.nbytes, g.device, creator, tuple(map(ref, g.mutations))))
             shared[gid] = ...
             continue
         s = Group(gid, g.nbytes, g.device)
@@ -439,7 +479,8 @@ def build(events: list, n_vids: int, graph, starts: dict, needed, kept_groups: s
         shared[gid] = s
     t.shared = shared
     t.own = tuple(own)
-    t.wanted = frozenset(wanted)
+    t.outer = any(o[1] == "outer" for o in own)
+    t.wanted_metas = frozenset(wanted_metas)
     return t
 
 
@@ -451,6 +492,8 @@ def _reads(e) -> list:
             read += _rest_vids(e.rest)
         read += [o[0] for o in e.outs if o is not None and o[1] == SAME]
         return read
+    if isinstance(e, PackEvent):
+        return [] if e.vid < 0 else [e.vid]
     return [] if e.vid is None else [e.vid]
 
 

@@ -28,6 +28,10 @@ __all__ = ["TracerMode", "deciding", "unrecorded"]
 
 _Tensor = torch.Tensor
 _local = threading.local()  # ``unrecorded``'s switch
+# How many threads are inside ``unrecorded`` now: a warm call (``warm.py``) reads the switch of
+# its own thread only when some thread is (one list lookup per op instead of a thread-local's).
+UNRECORDED = [0]
+_unrecorded_lock = threading.Lock()
 _NO_KWARGS: dict = {}  # shared by every node without keyword arguments: never written
 _SEQUENCES = (list, tuple)
 _FIRST = (0,)  # the ``creates`` of nearly every node: one shared tuple
@@ -74,10 +78,14 @@ def unrecorded():
     CUDA backward runs on the engine's device thread, under a copy of the caller's modes."""
     before = _local.__dict__.get("unrecorded", False)
     _local.unrecorded = True
+    with _unrecorded_lock:
+        UNRECORDED[0] += 1
     try:
         yield
     finally:
         _local.unrecorded = before
+        with _unrecorded_lock:
+            UNRECORDED[0] -= 1
 
 
 def _written_tensors(positions, args, kwargs):

@@ -37,9 +37,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._compat import dynamo_off, dynamo_restore
 from .decisions import effect
 from .graph import Group, Layout, TensorMeta, flatten_outputs
+from .handlers import make as make_handlers
 from .op_info import _INFO, op_info
 from .op_info import storage_address as _address
-from .subclasses import check_replayable, has_subclass, is_subclass
+from .subclasses import has_subclass, is_subclass
 from .template import (
     ALIAS,
     CREATED,
@@ -62,7 +63,7 @@ from .template import (
     exact_arguments,
     same,
 )
-from .tracer import _generator, _local
+from .tracer import UNRECORDED, _generator, _local
 from .undeclared_writes import writes_now
 
 __all__ = ["WarmMode", "enable", "enabled", "stats"]
@@ -87,6 +88,9 @@ def _from_environment() -> bool:
 
 
 _enabled = _from_environment()
+# Whether warm calls run the handlers written for each event (``handlers.py``); False checks
+# every event with the generic path (``WarmMode._general``): slower, the same checks.
+GENERATED = True
 
 
 def enable(on: bool | None = None) -> bool:
@@ -231,22 +235,27 @@ class WarmMode(TorchDispatchMode):
         template = entry.template if entry is not None else None
         self.template = template
         self.unwarmable = None  # why this call's record cannot make a template (logging)
+        self.i = 0
         if template is None:
             self.cold = self.tracer  # recording; every op goes to the recorder
+            self.events = self.handlers = ()
             self.log = []
             self.ids: dict = {}
             self.refs: list = []
+            self.vid_gid: list = []  # per vid, the group of its storage (known after its event)
             self.pending: list = []  # (group id, tensor) held during the current event
             self.packs_since: list = []  # handles packed since the last recorded node
             return
         self.cold = None
         self.log = None
         self.events = template.events
+        self.handlers = template.handlers if GENERATED else ()  # (none: every event through _general)
         self.n_events = len(template.events)
         self.i = 0
         self.vals = [None] * template.n_vids  # vid -> the tensor, from its first sight to its last use
-        self.addr: dict = {}  # storage address -> group id, for the storages bound so far
-        self.pins: list = []  # weak references pinning those addresses (as the recorder pins them)
+        self.addr: dict = {}  # storage address -> group id, for the outside tensors bound so far
+        self.seen: dict = {}  # storage address -> vids on it, of tensors looked at (``_group_at``)
+        self.scanned = 0  # vids below this were looked at
         self.ext: dict = {}  # group id -> the outside tensor bound to it
         self.snap: dict = {}  # group id -> its storage copied before the region first wrote it
         self.held: dict = {}  # group id -> the tensor held for it (the program's, or a detached alias)
@@ -261,12 +270,94 @@ class WarmMode(TorchDispatchMode):
 
     # -- warm: the op ----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # The next event's own handler (``handlers.py``): the fast path's checks, written for
+        # that event. Past the last event, and in a recorded call (no handlers), ``_slow``.
+        try:
+            h = self.handlers[self.i]
+        except IndexError:
+            return self._slow(func, types, args, kwargs)
+        return h(self, func, types, args, kwargs)
+
+    def _bind_args(self, first, args) -> bool:
+        """Bind the tensors first seen at a fast-path event (all positional)."""
+        bound = []
+        try:
+            for f in first:
+                self._bind(f, args[f.path[0]], bound)
+        except _Diverged:
+            self._unbind(bound)
+            return False
+        return True
+
+    def _undo(self, e: OpEvent, func, types, args, kwargs):
+        """A fast-path event that bound first sights, then differed: unbind them, diverge."""
+        if e.first:
+            self._unbind_event(e)
+        return self._diverge(func, types, args, kwargs)
+
+    def _unbind_event(self, e: OpEvent) -> None:
+        for f in reversed(e.first):
+            if f.store:
+                self.vals[f.vid] = None
+            if f.new and f.layout is None:
+                x = self.ext.pop(f.gid, None)
+                if x is not None:
+                    del self.addr[_address(x)]
+
+    def _output(self, e: OpEvent, out, args) -> bool:
+        """A single output on a storage the region knows: the one the template says."""
+        if type(out) is not _Tensor:
+            return False
+        if e.what == ALIAS:
+            return self._alias_of(e, out, e.gid, args)
+        return out is self.vals[e.vid]  # SAME: the very tensor (an in-place op's self)
+
+    def _alias_of(self, e: OpEvent, o, gid, args) -> bool:
+        """Whether ``o`` (a result of ``e`` that shares a storage) is on group ``gid``'s storage:
+        the argument's it shared in the template (``_unsafe_view``'s self), or found by storage."""
+        a = _address(o)
+        p = e.alias_arg
+        if p is not None and p < len(args) and isinstance(args[p], _Tensor):
+            return a == _address(args[p])
+        return self._group_at(a) == gid
+
+    def _group_at(self, a):
+        """The group of the storage at address ``a``, among the storages this call holds a tensor
+        of (outside tensors, tensors a later event reads, results held: a kept handle's tensor
+        is an outside one or a held result's alias); None if none is there. No address is taken
+        as an op runs: a first sight (rare: inputs, weights) asks, and each tensor's address is
+        taken once, by the first sight after it."""
+        gid = self.addr.get(a)
+        if gid is not None:
+            return gid
+        vals, seen, vid_gid = self.vals, self.seen, self.template.vid_gid
+        upto = self.events[self.i].vids
+        for v in range(self.scanned, upto):  # the tensors registered since the last first sight
+            x = vals[v]
+            if x is not None and vid_gid[v] is not None:
+                k = _address(x)
+                known = seen.get(k)
+                if known is None:
+                    seen[k] = [v]
+                else:
+                    known.append(v)
+        if upto > self.scanned:
+            self.scanned = upto
+        for v in seen.get(a, ()):
+            if vals[v] is not None:  # (one still held: its storage, this group's, is alive)
+                return vid_gid[v]
+        for gid, x in self.held.items():
+            if _address(x) == a:
+                return gid
+        return None
+
+    def _slow(self, func, types, args, kwargs):
         cold = self.cold
-        if cold is not None:
+        if cold is not None:  # a recorded call (logging, or fallen back)
             if self.log is None:
                 return cold.__torch_dispatch__(func, types, args, kwargs)
             return self._logged(func, types, args, kwargs)
-        if _local.__dict__.get("unrecorded"):  # replay of another region's handle, inside this one
+        if UNRECORDED[0] and _local.__dict__.get("unrecorded"):  # replaying another region's handle
             return func._op(*args, **(kwargs or _NO_KWARGS))
         i = self.i
         if i >= self.n_events:
@@ -274,51 +365,6 @@ class WarmMode(TorchDispatchMode):
         e = self.events[i]
         if func is not e.op or (types and has_subclass(types)):
             return self._other(func, types, args, kwargs)
-        if e.simple and not kwargs:
-            # The common case, inline: positional tensors by identity, constants, one tensor out.
-            vals = self.vals
-            if len(args) != e.nargs:
-                return self._diverge(func, types, args, kwargs)
-            for p, v in e.targs:
-                if args[p] is not vals[v]:
-                    return self._diverge(func, types, args, kwargs)
-            for p, c in e.consts:
-                a = args[p]
-                if a is not c and a != c:
-                    return self._diverge(func, types, args, kwargs)
-            for p, c in e.strict:
-                if not same(args[p], c):
-                    return self._diverge(func, types, args, kwargs)
-            self.i = i + 1
-            try:
-                out = e.run(*args)
-            except BaseException:
-                self._raised(i)
-                raise
-            vid, what, gid, store = e.out1
-            if type(out) is not _Tensor:
-                return self._after(e, func, args, kwargs, out, None)
-            if what == CREATED:
-                s = out.untyped_storage()
-                a = s._cdata
-                if a in self.addr:
-                    return self._after(e, func, args, kwargs, out, None)
-                self.addr[a] = gid
-                self.pins.append(s._weak_ref())
-            elif what == ALIAS:
-                if self.addr.get(_address(out)) != gid:
-                    return self._after(e, func, args, kwargs, out, None)
-            elif what == SAME and out is not vals[vid]:
-                return self._after(e, func, args, kwargs, out, None)
-            if store:
-                vals[vid] = out
-            for v in e.drop:
-                vals[v] = None
-            if e.holds:
-                self._hold(e.holds, args, kwargs, (out,), None)
-            if e.node >= 0 and self.last_packs:
-                self.last_packs = []
-            return out
         return self._general(e, func, types, args, kwargs)
 
     def _general(self, e: OpEvent, func, types, args, kwargs):
@@ -364,10 +410,10 @@ class WarmMode(TorchDispatchMode):
         try:
             out = e.run(*args, **kwargs)
         except BaseException:
-            self._raised(self.i - 1)
+            self._raised(self.i - 1, e)
             raise
         flat = (out,) if isinstance(out, _Tensor) else flatten_outputs(out)
-        if len(flat) != len(e.outs) or not self._outputs(e, flat):
+        if len(flat) != len(e.outs) or not self._outputs(e, flat, args):
             return self._after(e, func, args, kwargs, out, rng)
         if rng is not None:
             self.rngs[e.node] = rng
@@ -379,7 +425,7 @@ class WarmMode(TorchDispatchMode):
         if e.settles:  # autograd bumps a written tensor's version after this returns
             packs = self.last_packs
             self.settling = [(packs[k][0], packs[k][1], packs[k][1]._version, m) for k, m in e.settles]
-        if e.node >= 0 and self.last_packs:
+        if e.reset:
             self.last_packs = []
         return out
 
@@ -391,7 +437,7 @@ class WarmMode(TorchDispatchMode):
                 slot.meta = after
         self.settling = []
 
-    def _outputs(self, e: OpEvent, flat) -> bool:
+    def _outputs(self, e: OpEvent, flat, args) -> bool:
         """Check the outputs against the event, then register them; False (nothing
         registered) where they differ."""
         vals = self.vals
@@ -412,22 +458,19 @@ class WarmMode(TorchDispatchMode):
             ):
                 return False
             if what == CREATED:
-                s = o.untyped_storage()
-                a = s._cdata
-                if a in self.addr or any(a == c[1] for c in created):
-                    return False
-                created.append((s, a, gid))
+                if e.dynamic:  # (outside aten and prims: an op that may hand back a storage it read)
+                    a = _address(o)
+                    if self._group_at(a) is not None or a in created:
+                        return False
+                    created.append(a)
             elif what == ALIAS:
-                if self.addr.get(_address(o)) != gid:
+                if not self._alias_of(e, o, gid, args):
                     return False
             elif what == SAME:
                 if o is not vals[vid]:
                     return False
         if e.dynamic and e.node < 0:
             return False  # (an op whose outputs depend on values made no node: never in a template)
-        for s, a, gid in created:
-            self.addr[a] = gid
-            self.pins.append(s._weak_ref())
         for o, spec in zip(flat, e.outs):
             if spec is not None and spec[3]:
                 vals[spec[0]] = o
@@ -435,33 +478,41 @@ class WarmMode(TorchDispatchMode):
 
     def _bind(self, f: FirstSight, t, bound: list) -> None:
         """Check a first sight and bind it (``bound`` collects what to undo on a later failure)."""
-        if not isinstance(t, _Tensor) or (type(t) is not _Tensor and is_subclass(t)):
+        if type(t) is not f.cls and (not isinstance(t, _Tensor) or is_subclass(t)):
             raise _Diverged
-        if f.layout is not None:  # a layout-only argument: its layout is all the op reads
-            lay = f.layout
-            if not (
-                t.dtype is lay.dtype
-                and t.size() == lay.size
-                and t.stride() == lay.stride
-                and t.device == lay.device
-            ):
-                raise _Diverged
-        else:
-            m = f.meta
-            if not _same_geometry(t, m) or t.device != f.device:
-                raise _Diverged
-            if f.new:
-                check_replayable(t)
-                s = t.untyped_storage()
-                a = s._cdata
-                if a in self.addr:
-                    raise _Diverged  # the template saw a storage new to the region here
-                self.addr[a] = f.gid
-                self.pins.append(s._weak_ref())
-                self.ext[f.gid] = t
-                bound.append((a, f.gid))
-            elif self.addr.get(_address(t)) != f.gid:
-                raise _Diverged
+        lay = f.layout
+        try:
+            if lay is not None:  # a layout-only argument: its layout is all the op reads
+                if not (
+                    t.dtype is lay.dtype
+                    and t.size() == lay.size
+                    and t.stride() == lay.stride
+                    and t.device == lay.device
+                ):
+                    raise _Diverged
+            else:
+                m = f.meta
+                if not (
+                    t.dtype is m.dtype
+                    and t.size() == m.size
+                    and t.stride() == m.stride
+                    and t.storage_offset() == m.offset
+                    and t.device == f.device
+                ):
+                    raise _Diverged
+                if m.dtype.is_complex and (t.is_conj() or t.is_neg()):
+                    raise _Diverged  # (a lazy bit the recorder refuses: it does, once recording)
+                a = _address(t)
+                if f.new:
+                    if self._group_at(a) is not None:
+                        raise _Diverged  # the template saw a storage new to the region here
+                    self.addr[a] = f.gid
+                    self.ext[f.gid] = t
+                    bound.append((a, f.gid))
+                elif self._group_at(a) != f.gid:
+                    raise _Diverged
+        except (RuntimeError, NotImplementedError):  # (no strides, no storage: not strided)
+            raise _Diverged from None
         if f.store:
             self.vals[f.vid] = t
             bound.append((None, f.vid))
@@ -473,7 +524,6 @@ class WarmMode(TorchDispatchMode):
             else:
                 del self.addr[a]
                 del self.ext[x]
-                torch.UntypedStorage._free_weak_ref(self.pins.pop())
 
     def _hold(self, holds, args, kwargs, flat, labelled) -> None:
         held, raw = self.held, self.raw
@@ -483,8 +533,6 @@ class WarmMode(TorchDispatchMode):
 
     def _other(self, func, types, args, kwargs):
         """An op that is not the next event: run bare if it is no event at all, else diverge."""
-        if _local.__dict__.get("unrecorded"):
-            return func._op(*args, **(kwargs or _NO_KWARGS))
         if not (types and has_subclass(types)):
             info = _INFO.get(id(func))
             info = info[1] if info is not None else op_info(func)
@@ -506,11 +554,12 @@ class WarmMode(TorchDispatchMode):
         self.fall_back(extra=e)
         return record_ran(self.cold, func, args, kwargs or _NO_KWARGS, out, rng)
 
-    def _raised(self, i: int) -> None:
+    def _raised(self, i: int, e: OpEvent | None = None) -> None:
         """Event ``i``'s op raised (the program may catch it and go on): the recorder records
-        nothing for an op that raised, so neither does the call, which records from here."""
+        nothing for an op that raised, so neither does the call, which records from here
+        (with the tensors first seen at it: the recorder registers them before the op runs)."""
         self.i = i
-        self.fall_back()
+        self.fall_back(extra=e if e is not None and e.first else None)
 
     def fall_back(self, extra: OpEvent | None = None) -> None:
         """Become a recorded call: the recorder's state rebuilt from the events that matched
@@ -534,6 +583,7 @@ class WarmMode(TorchDispatchMode):
         self.cold = self.tracer
         self.log = None
         self.vals = None
+        self.events = self.handlers = ()  # (every op and pack takes the slow path to the recorder now)
 
     def running(self) -> bool:
         """Whether the call still follows its template."""
@@ -541,6 +591,49 @@ class WarmMode(TorchDispatchMode):
 
     # -- warm: what autograd saves, labels ----------------------------------------------------
     def pack(self, t):
+        """What autograd saves in a region that may run warm (``saved_tensors_hooks``' pack)."""
+        i = self.i
+        try:
+            e = self.events[i]
+        except IndexError:
+            return self._pack_slow(t)
+        if e.__class__ is not PackEvent or e.vid < 0 or t is not self.vals[e.vid]:
+            return self._pack_slow(t)
+        if e.outside and (self.owner is not None or e.owned is not None):
+            return self._pack_slow(t)
+        self.i = i + 1
+        slot = self.Slot(self.graph, e.meta) if e.kind == PLAIN else self._kept_slot(e, t)
+        for v in e.drop:
+            self.vals[v] = None
+        self.last_packs.append((slot, t))
+        return slot
+
+    def _kept_slot(self, e: PackEvent, t):
+        if e.kind == EXACT:  # an input as it came, kept as eager keeps it
+            slot = self.Slot(self.graph, e.meta, t, exact=True)
+        else:  # a result the policy keeps: a detached alias (``Region._pack``)
+            a = _alias(t)
+            gid = e.meta.group
+            held = self.held
+            h = held.get(gid)
+            if h is t or h is None:
+                held[gid] = a
+            slot = self.Slot(self.graph, e.meta, a)
+        self.kept.append(slot)
+        return slot
+
+    def _packed(self, e: PackEvent, t):
+        slot = self.Slot(self.graph, e.meta) if e.kind == PLAIN else self._kept_slot(e, t)
+        for v in e.drop:
+            self.vals[v] = None
+        self.last_packs.append((slot, t))
+        return slot
+
+    def _pack_slow(self, t):
+        if self.cold is not None:  # a recorded call
+            if self.log is not None:
+                return self.logged_pack(t)
+            return self.region._pack(t)
         i = self.i
         e = self.events[i] if i < self.n_events else None
         if e.__class__ is not PackEvent or (type(t) is not _Tensor and is_subclass(t)):
@@ -552,7 +645,7 @@ class WarmMode(TorchDispatchMode):
                 self._bind(e.first, t, bound)
             elif t is not self.vals[e.vid]:
                 raise _Diverged
-            if (e.owned is not None or self.owner is not None) and self._outside(e):
+            if e.outside and (self.owner is not None or e.owned is not None):
                 if (self.owner is not None and self.owner(t) is not None) != bool(e.owned):
                     raise _Diverged  # a REBUILDERS owner claims it now and did not then, or the reverse
         except _Diverged:
@@ -560,31 +653,7 @@ class WarmMode(TorchDispatchMode):
             self.fall_back()
             return self.region._pack(t)
         self.i = i + 1
-        kind = e.kind
-        if kind == PLAIN:
-            slot = self.Slot(self.graph, e.meta)
-        elif kind == EXACT:
-            slot = self.Slot(self.graph, e.meta, t, exact=True)
-            self.kept.append(slot)
-        else:  # a result the policy keeps: a detached alias (``Region._pack``)
-            a = _alias(t)
-            gid = e.meta.group
-            held = self.held
-            h = held.get(gid)
-            if h is t or h is None:
-                held[gid] = a
-            slot = self.Slot(self.graph, e.meta, a)
-            self.kept.append(slot)
-        for v in e.drop:
-            self.vals[v] = None
-        self.last_packs.append((slot, t))
-        return slot
-
-    def _outside(self, e: PackEvent) -> bool:
-        """Whether ``e`` packs an outside tensor before any write to it (where ``Region._pack``
-        asks ``REBUILDERS``)."""
-        m = e.meta
-        return m.state == 0 and self.template.groups[m.group][2] is None
+        return self._packed(e, t)
 
     def label(self, t: torch.Tensor, label: str) -> bool:
         """``tracedac.name(t, label)`` in a warm call: True if it is the label the template
@@ -636,56 +705,59 @@ class WarmMode(TorchDispatchMode):
         graph = region.graph
         if self.settling:
             self._settle()
-        kept = region.kept
-        changed = [s for s in kept if s.changed]
-        wanted = {(s.meta.group, s.meta.state) for s in graph.slots()}
-        wanted.update((s.meta.group, s.meta.state) for s in changed)
-        if self.i != self.n_events or wanted != t.wanted or not self._owners_agree(t):
+        changed = [s for s in region.kept if s.changed]
+        # The handles replay is to rebuild: the template's (the same meta objects, handed to
+        # this call's handles by its pack events), or the plan would not be the template's.
+        wanted = {s.meta for s in graph.slots()}
+        wanted.update(s.meta for s in changed)
+        if self.i != self.n_events or wanted != t.wanted_metas or not self._owners_agree(t):
             self.fall_back()
             return False
         for s in changed:
             graph.add_slot(s)
-        needed = t.needed
         nodes = list(t.released)
-        for i in t.random:
-            gen, state, follows = self.rngs[i]
-            nodes[i] = copy_node(
-                t.nodes[i], (gen, None, follows) if follows in needed else (gen, state, None)
-            )
+        if t.random:
+            needed = t.needed
+            for i in t.random:
+                gen, state, follows = self.rngs[i]
+                rng = (gen, None, follows) if follows in needed else (gen, state, None)
+                nodes[i] = copy_node(t.nodes[i], rng)
         groups = list(t.shared)
-        for gid, kind in t.own:
-            nbytes, device, creator, mutations = t.groups[gid]
+        ext, held = self.ext, self.held
+        for gid, kind, nbytes, device, creator, mutations in t.own:
             g = Group(gid, nbytes, device)
-            g.creator = None if creator is None else self._released(t, nodes, creator)
+            if creator is not None:
+                g.creator = nodes[creator] if creator.__class__ is int else creator
             if mutations:
-                g.mutations = [self._released(t, nodes, m) for m in mutations]
-            live = None
+                g.mutations = [nodes[m] if m.__class__ is int else m for m in mutations]
             if kind == "external":
-                live = g.external = self.ext[gid]
-            elif kind == "snapshot":
-                g.snapshot = self.snap[gid]
+                x = g.external = ext[gid]
+                g.version = x._version
             elif kind == "held":
-                h = self.held[gid]
+                h = held[gid]
                 if h is self.raw.get(gid):
                     h = _alias(h)
-                live = g.held = h
+                g.held = h
+                g.version = h._version
+            elif kind == "snapshot":
+                g.snapshot = self.snap[gid]
             elif kind == "outer":
-                x = self.ext[gid]
+                x = ext[gid]
                 g.outer = self.owner(x).handle(x)
-            if live is not None:
-                g.version = live._version
             groups[gid] = g
         graph.nodes = nodes
         graph.groups = groups
         region.kept = []
         self.close()
-        _count("warm")
+        _STATS["warm"] += 1
         self.entry.misses = 0
         return True
 
     def _owners_agree(self, t) -> bool:
         """Whether ``REBUILDERS`` claim the same outside tensors the template's end saw claimed."""
-        for gid, kind in t.own:
+        if self.owner is None and not t.outer:
+            return True
+        for gid, kind, *_ in t.own:
             if kind == "outer" or (kind == "external" and self.owner is not None):
                 x = self.ext.get(gid)
                 owned = x is not None and self.owner is not None and self.owner(x) is not None
@@ -693,18 +765,8 @@ class WarmMode(TorchDispatchMode):
                     return False
         return True
 
-    @staticmethod
-    def _released(t, nodes, i):
-        return nodes[i] if i in t.needed else t.forgotten[i]
-
     def close(self) -> None:
         """Let go of this call's tensors (the region ended or raised)."""
-        pins = getattr(self, "pins", None)
-        if pins and self.cold is None:  # (after a fall back the recorder owns them)
-            free = torch.UntypedStorage._free_weak_ref
-            for h in pins:
-                free(h)
-        self.pins = []
         self.vals = self.ext = self.snap = self.held = self.raw = None
         self.last_packs = []
         self.region = self.tracer = self.graph = self.kept = None
@@ -717,20 +779,22 @@ class WarmMode(TorchDispatchMode):
         v = self.ids.get(id(t))
         return v if v is not None and self.refs[v]() is t else None
 
-    def _new_vid(self, t) -> int:
+    def _new_vid(self, t, gid=None) -> int:
         v = len(self.refs)
         self.ids[id(t)] = v
         self.refs.append(weakref.ref(t))
+        self.vid_gid.append(gid)
         return v
 
     def _first(self, t, path, layout_only: bool) -> FirstSight:
         v = self._new_vid(t)
         if layout_only:
-            return FirstSight(v, path, None, False, None, t.device, layout=Layout(t))
+            return FirstSight(v, path, None, False, None, t.device, layout=Layout(t), cls=type(t))
         g = self.tracer.group_of(t)
         if g is None:  # new to the region: the recorder makes its group while recording the op
-            return FirstSight(v, path, None, True, _geometry(t, None, 0), t.device)
-        return FirstSight(v, path, g.id, False, _geometry(t, g.id, len(g.mutations)), t.device)
+            return FirstSight(v, path, None, True, _geometry(t, None, 0), t.device, cls=type(t))
+        self.vid_gid[v] = g.id
+        return FirstSight(v, path, g.id, False, _geometry(t, g.id, len(g.mutations)), t.device, cls=type(t))
 
     def _resolve_first(self, f: FirstSight, t) -> bool:
         """After the op: the group the recorder made for a storage first seen (False if none)."""
@@ -740,7 +804,7 @@ class WarmMode(TorchDispatchMode):
         if g is None or g.creator is not None:
             return False
         m = f.meta
-        f.gid = g.id
+        f.gid = self.vid_gid[f.vid] = g.id
         f.meta = TensorMeta(g.id, 0, m.dtype, m.size, m.stride, m.offset)
         return True
 
@@ -804,6 +868,7 @@ class WarmMode(TorchDispatchMode):
                 self.unwarmable = f"{func} read a tensor the recorder did not register"
         flat = (out,) if isinstance(out, _Tensor) else flatten_outputs(out)
         outs = []
+        alias_arg = None
         for o in flat:
             if not isinstance(o, _Tensor):
                 outs.append(None)
@@ -812,18 +877,22 @@ class WarmMode(TorchDispatchMode):
             if v is not None:
                 outs.append((v, SAME, None))
                 continue
-            v = self._new_vid(o)
+            g = tracer.group_of(o)
+            v = self._new_vid(o, None if g is None else g.id)
             if info.view:
                 outs.append((v, VIEW, None))
-                continue
-            g = tracer.group_of(o)
-            if g is None:
+            elif g is None:
                 self.unwarmable = f"{func} returned a tensor the recorder did not register"
                 outs.append((v, VIEW, None))
             elif node is not None and g.creator is node:
                 outs.append((v, CREATED, g.id))
             else:
                 outs.append((v, ALIAS, g.id))
+                if len(flat) == 1:  # the argument it shares a storage with (``_unsafe_view``'s self)
+                    a = _address(o)
+                    alias_arg = next(
+                        (p for p, x in enumerate(args) if isinstance(x, _Tensor) and _address(x) == a), None
+                    )
         snaps = []
         if node is not None:
             for path, t in written:
@@ -857,6 +926,7 @@ class WarmMode(TorchDispatchMode):
         e.holds = self._sources(self.pending, args, kw, flat, None)
         e.n_nodes, e.n_groups = n_nodes, n_groups
         e.settles = settles
+        e.alias_arg = alias_arg
         if info.seeded and node is None:
             self.unwarmable = f"{func} drew random numbers and made no node"
         self.log.append(e)
@@ -906,10 +976,11 @@ class WarmMode(TorchDispatchMode):
         kind = EXACT if slot.exact else KEPT if slot.tensor is not None else PLAIN
         m = slot.meta
         g = graph.groups[m.group]
+        outside = g.creator is None and not g.mutations
         owned = None
-        if self.owner is not None and g.creator is None and not g.mutations:
+        if self.owner is not None and outside:
             owned = self.owner(t) is not None
-        e = PackEvent(v, first, kind, m, owned)
+        e = PackEvent(v, first, kind, m, owned, outside)
         e.n_nodes, e.n_groups = n_nodes, n_groups
         self.log.append(e)
         self.packs_since.append(slot)
@@ -930,7 +1001,7 @@ class WarmMode(TorchDispatchMode):
         e.n_nodes, e.n_groups = n_nodes, n_groups
         self.log.append(e)
 
-    def keep(self, region, plan, kept_groups: set, wanted) -> None:
+    def keep(self, region, plan, kept_groups: set) -> None:
         """At a logging call's end, before its graph is released: build its template and cache
         it, unless something it did cannot be repeated warm (then its key records in full from
         now on), or its planner planned only now (the next call, deciding from the cached plan
@@ -950,7 +1021,9 @@ class WarmMode(TorchDispatchMode):
         planning = region.planning
         if planning is not None and (planning.planned_now or planning.cached is None):
             return
-        t = build(self.log, len(self.refs), graph, plan.starts, plan.nodes, kept_groups, wanted)
+        metas = [s.meta for s in graph.slots()]  # (the kept ones it modified included: _finish added them)
+        t = build(self.log, self.vid_gid, graph, plan.starts, plan.nodes, kept_groups, metas)
         t.plan_entry = planning.cached if planning is not None else None
+        t.handlers = make_handlers(t.events)
         TEMPLATES.put(self.cache_key, t)
         _count("templates")
