@@ -129,7 +129,9 @@ class SaveNames(Held):
 class OffloadOps(Held):
     """Offload the results of these ops to host memory (an overload, or every overload of a packet)."""
 
-    structural = True  # decides from the op alone (``spec.PolicySpec``)
+    # (decides from the op alone, but a region that offloads records every call: the warm path
+    # does not move host copies, ``spec.PolicySpec``)
+    structural = False
 
     ops: frozenset
 
@@ -147,7 +149,7 @@ class OffloadOps(Held):
 class OffloadNames(Held):
     """Offload the results labelled with ``tracedac.name(tensor, label)`` for one of these labels."""
 
-    structural = True  # decides from the op and the labels alone (``spec.PolicySpec``)
+    structural = False  # (as OffloadOps: a region that offloads records every call)
 
     names: frozenset
 

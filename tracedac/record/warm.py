@@ -192,8 +192,8 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
-def _index(items: list, x) -> int:
-    return next(k for k, y in enumerate(items) if y is x)
+def _index(items: list, x) -> int | None:
+    return next((k for k, y in enumerate(items) if y is x), None)
 
 
 class _Diverged(Exception):
@@ -905,6 +905,9 @@ class WarmMode(TorchDispatchMode):
             if tracer._written:  # (this node's: the last node's were settled when it was recorded)
                 packs = self.packs_since
                 settles = tuple((_index(packs, slot), after) for slot, _, _, after in tracer._written)
+                if any(k is None for k, _ in settles):  # (a handle no pack event made: a subclass's)
+                    self.unwarmable = f"{func} wrote a tensor saved in a way the template cannot repeat"
+                    settles = ()
             self.packs_since = []
         if any(g.grows for g in graph.groups[n_groups:]):
             self.unwarmable = f"{func} grew a storage in place"
