@@ -8,6 +8,7 @@ from .checkpoint import checkpoint, checkpoint_call, is_checkpointed, name, unwr
 from .errors import CheckpointError
 from .inspect.saved import print_saved, saved_report
 from .inspect.tradeoff import trade_off
+from .record.warm import enable as warm_path
 from .replay.compiled import compiled_replay
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "saved_report",
     "trade_off",
     "unwrap",
+    "warm_path",
     "wrap",
 ]
 

@@ -22,7 +22,8 @@ becomes a recorded one: ``fallback.convert`` rebuilds the recorder's state from 
 that matched, bound to this call's tensors, and the recorder goes on from there; nothing
 wrong has been kept, since every event is checked before what it made is used.
 
-``enable(False)`` (or ``TRACEDAC_WARM=0``) turns the warm path off: every call records.
+``tracedac.warm_path(False)`` (``enable`` here; or ``TRACEDAC_WARM=0``) turns the warm path
+off: every call records.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ GENERATED = True
 
 def enable(on: bool | None = None) -> bool:
     """Turn the warm path on or off for the process (``None`` leaves it); returns the previous
-    setting. Off, every region call records in full, as before the warm path existed."""
+    setting. Off, every region call records in full, as before the warm path existed.
+    (``tracedac.warm_path``; ``TRACEDAC_WARM=0`` starts the process with it off.)"""
     global _enabled
     before = _enabled
     if on is not None:
@@ -748,9 +750,9 @@ class WarmMode(TorchDispatchMode):
         graph.nodes = nodes
         graph.groups = groups
         region.kept = []
-        self.close()
         _STATS["warm"] += 1
         self.entry.misses = 0
+        self.close()
         return True
 
     def _owners_agree(self, t) -> bool:
@@ -766,13 +768,11 @@ class WarmMode(TorchDispatchMode):
         return True
 
     def close(self) -> None:
-        """Let go of this call's tensors (the region ended or raised)."""
-        self.vals = self.ext = self.snap = self.held = self.raw = None
-        self.last_packs = []
-        self.region = self.tracer = self.graph = self.kept = None
-        if self.log is not None:
-            self.ids = {}
-            self.refs = []
+        """Let go of everything of this call (the region ended or raised). The mode outlives the
+        region (autograd keeps the pack hook, ``self.pack``, with every tensor it saved, until
+        backward), so nothing of the call stays on it: no tensor, generator state, handle or
+        graph, not even its attributes (a recorded region's hook is a small function)."""
+        self.__dict__.clear()
 
     # -- logging: a recorded call writes down its events ---------------------------------------
     def _known(self, t) -> int | None:
