@@ -193,7 +193,15 @@ def _floors(base, unit, batch, dev) -> dict:
         return returned - start, done - start, thread - cpu
 
     load = os.getloadavg()[0]
-    times = time_in_turns(models, FLOOR_REPS, timed_forward, lambda _: None)
+    # one intra-op thread on the CPU: all of a forward's work in this thread, so that its CPU
+    # time is the forward's (and no pool's threads wait on a loaded machine's other work)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        times = time_in_turns(models, FLOOR_REPS, timed_forward, lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
     floors = {
         key: {
             "host_s": statistics.median(h for h, _, _ in t),
@@ -244,9 +252,10 @@ def format_report(r: dict) -> str:
     before, after = r.get("floors_load", (float("nan"), float("nan")))
     lines += [
         "",
-        f"the forward alone, each block under each floor (median of {FLOOR_REPS}, in turns; host: "
-        "until the Python returns, thread: this thread's CPU time, wall: until the device is done; "
-        f"load average {before:.1f} before, {after:.1f} after, on {os.cpu_count()} CPUs)",
+        f"the forward alone, each block under each floor (median of {FLOOR_REPS}, in turns; on the CPU "
+        "one intra-op thread; host: until the Python returns, thread: this thread's CPU time, wall: "
+        f"until the device is done; load average {before:.1f} before, {after:.1f} after, on "
+        f"{os.cpu_count()} CPUs)",
         "| forward | host ms | thread ms | wall ms | thread / plain | thread / empty mode |",
         "|---|---|---|---|---|---|",
     ]
