@@ -610,6 +610,22 @@ def test_an_op_that_raises_in_a_warm_call_and_is_caught_records_from_there():
     assert c.warm >= 1 and c.fell_back >= 1
 
 
+def test_an_op_returning_a_list_of_one_view_runs_warm_and_falls_back_after_it():
+    """``split`` into one piece returns a list holding one view: a warm call holds the view, not
+    the list (it once held the list: the next op's check failed, and the fallback met a list
+    where it wanted a tensor; found by tests/zero's one-rank runs)."""
+    w = W.clone().requires_grad_()
+
+    def f(x, w, flag):
+        (h,) = (x @ w).split(8, dim=1)
+        y = h.tanh()
+        return (y.sin() if flag else y.cos()) * x
+
+    with Counting() as c:
+        check(f, [(_x(0), w, False), (_x(1), w, False), (_x(2), w, True)])
+    assert c.warm == 1 and c.fell_back == 1
+
+
 def test_a_structure_that_changes_every_call_stops_trying_after_a_few_misses():
     """A region whose shapes follow its values (an MoE's routing) falls back on every call; after
     ``MAX_MISSES`` in a row its key records in full, without trying a template first."""

@@ -190,6 +190,7 @@ class OpEvent:
         "reset",
         "alias_arg",
         "vids",
+        "seq",
         "simple",
     )
 
@@ -222,6 +223,7 @@ class OpEvent:
         self.reset = False  # a node after packs: they are no longer the last ones (``build``)
         self.alias_arg = None  # for an ALIAS result: the position of the argument it shares a storage with
         self.vids = 0  # how many vids earlier events registered (``build``)
+        self.seq = 0  # what the op returned: 0 a tensor, 1 a flat list or tuple, 2 a nested one
         self.simple = False
 
 
@@ -411,9 +413,9 @@ def build(
                 None if o is None else (o[0], o[1], o[2], o[1] != SAME and o[0] in last) for o in e.outs
             )
             e.outs = outs
-            if len(outs) == 1 and outs[0] is not None:
+            if len(outs) == 1 and outs[0] is not None and not e.seq:
                 e.vid, e.what, e.gid, e.store = outs[0]
-            elif outs and all(o is not None and o[1] == VIEW for o in outs):
+            elif e.seq == 1 and outs and all(o is not None and o[1] == VIEW for o in outs):
                 e.what = VIEWS  # (split, chunk, unbind: views, stored by position)
                 e.vid = tuple((k, o[0]) for k, o in enumerate(outs) if o[3])
             e.simple = (
