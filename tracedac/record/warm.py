@@ -930,8 +930,12 @@ class WarmMode(TorchDispatchMode):
         e.n_nodes, e.n_groups = n_nodes, n_groups
         e.settles = settles
         e.alias_arg = alias_arg
-        # 0: a tensor; 1: a flat list or tuple (the fast path indexes it); 2: nested (the slow path)
-        e.seq = 0 if isinstance(out, _Tensor) else 1 if len(flat) == len(out) else 2
+        # 0: a tensor; 1: a flat list or tuple (the fast path indexes it); 2: anything else
+        # (nested, or no tensor at all: ``_foreach_mul_`` returns None), the slow path
+        if isinstance(out, _Tensor):
+            e.seq = 0
+        else:
+            e.seq = 1 if out.__class__ in _SEQUENCES and len(flat) == len(out) else 2
         if info.seeded and node is None:
             self.unwarmable = f"{func} drew random numbers and made no node"
         self.log.append(e)
