@@ -626,6 +626,35 @@ def test_an_op_returning_a_list_of_one_view_runs_warm_and_falls_back_after_it():
     assert c.warm == 1 and c.fell_back == 1
 
 
+def test_a_tensor_first_read_for_its_layout_then_for_its_values_is_bound_as_an_outside_tensor():
+    """``zeros_like(x)`` reads ``x``'s layout only (no group for it: it is no input of the op);
+    an op that then reads ``x``'s values makes it one: a warm call binds it there, not at its
+    first sight (found by OpInfo's ``hinge_embedding_loss`` repeated: the graph's end wanted an
+    outside tensor never bound)."""
+
+    def f(x, w):
+        t = torch.zeros_like(x).fill_(2.0)
+        return (t - x).clamp_min(0.5) * (x @ w)
+
+    w = W.clone().requires_grad_()
+    with Counting() as c:
+        check(f, [(_x(k), w) for k in range(3)])
+    assert c.warm == 2
+
+
+def test_constants_that_are_not_finite_are_compared_as_any():
+    """A handler writes a nonzero finite number in its code (``args[1] != 2.5``); an infinite one
+    is compared by ``same`` (written in, ``inf`` named nothing: found by OpInfo's ``norm``)."""
+    w = W.clone().requires_grad_()
+
+    def f(x, w, top):
+        return (x @ w).clamp(None, top).tanh()
+
+    with Counting() as c:
+        check(f, [(_x(0), w, float("inf")), (_x(1), w, float("inf")), (_x(2), w, 0.5)])
+    assert c.warm == 1 and c.fell_back == 1
+
+
 def test_a_structure_that_changes_every_call_stops_trying_after_a_few_misses():
     """A region whose shapes follow its values (an MoE's routing) falls back on every call; after
     ``MAX_MISSES`` in a row its key records in full, without trying a template first."""

@@ -19,6 +19,8 @@ no tensor.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .template import ALIAS, CREATED, SAME, VIEW, VIEWS, OpEvent, same
@@ -72,7 +74,7 @@ def _source(k: int, e: OpEvent, names: dict) -> str:
         else:
             checks.append(f"args[{p}] != {lit}")
     for j, (p, c) in enumerate(e.strict):
-        if type(c) in (int, float) and c == c and c != 0 and repr(c) == repr(type(c)(repr(c))):
+        if type(c) is int and c != 0 or type(c) is float and math.isfinite(c) and c != 0:
             # a nonzero number: the same type and value is the same constant (``same``)
             checks.append(f"(args[{p}].__class__ is not {type(c).__name__} or args[{p}] != {c!r})")
         else:

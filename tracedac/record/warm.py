@@ -321,19 +321,19 @@ class WarmMode(TorchDispatchMode):
         p = e.alias_arg
         if p is not None and p < len(args) and isinstance(args[p], _Tensor):
             return a == _address(args[p])
-        return self._group_at(a) == gid
+        return self._group_at(a, self.i - 1) == gid  # (the op ran: its event is the last one)
 
-    def _group_at(self, a):
+    def _group_at(self, a, i: int):
         """The group of the storage at address ``a``, among the storages this call holds a tensor
         of (outside tensors, tensors a later event reads, results held: a kept handle's tensor
         is an outside one or a held result's alias); None if none is there. No address is taken
         as an op runs: a first sight (rare: inputs, weights) asks, and each tensor's address is
-        taken once, by the first sight after it."""
+        taken once, by the first sight after it. ``i``: the event being checked."""
         gid = self.addr.get(a)
         if gid is not None:
             return gid
         vals, seen, vid_gid = self.vals, self.seen, self.template.vid_gid
-        upto = self.events[self.i].vids
+        upto = self.events[i].vids
         for v in range(self.scanned, upto):  # the tensors registered since the last first sight
             x = vals[v]
             if x is not None and vid_gid[v] is not None:
@@ -462,7 +462,7 @@ class WarmMode(TorchDispatchMode):
             if what == CREATED:
                 if e.dynamic:  # (outside aten and prims: an op that may hand back a storage it read)
                     a = _address(o)
-                    if self._group_at(a) is not None or a in created:
+                    if self._group_at(a, self.i - 1) is not None or a in created:
                         return False
                     created.append(a)
             elif what == ALIAS:
@@ -506,12 +506,12 @@ class WarmMode(TorchDispatchMode):
                     raise _Diverged  # (a lazy bit the recorder refuses: it does, once recording)
                 a = _address(t)
                 if f.new:
-                    if self._group_at(a) is not None:
+                    if self._group_at(a, self.i) is not None:
                         raise _Diverged  # the template saw a storage new to the region here
                     self.addr[a] = f.gid
                     self.ext[f.gid] = t
                     bound.append((a, f.gid))
-                elif self._group_at(a) != f.gid:
+                elif self._group_at(a, self.i) != f.gid:
                     raise _Diverged
         except (RuntimeError, NotImplementedError):  # (no strides, no storage: not strided)
             raise _Diverged from None
@@ -779,6 +779,13 @@ class WarmMode(TorchDispatchMode):
         v = self.ids.get(id(t))
         return v if v is not None and self.refs[v]() is t else None
 
+    def _read(self, t) -> int | None:
+        """``t``'s vid where an op reads its values, or None: seen so far only where its
+        layout was all an op read (``empty_like``'s self), it has no group yet, and the recorder
+        makes it one here: a first sight, for the template."""
+        v = self._known(t)
+        return v if v is None or self.vid_gid[v] is not None else None
+
     def _new_vid(self, t, gid=None) -> int:
         v = len(self.refs)
         self.ids[id(t)] = v
@@ -810,7 +817,7 @@ class WarmMode(TorchDispatchMode):
 
     def _spec(self, a, path, exact: bool, firsts: list, pending: list):
         if isinstance(a, _Tensor):
-            v = self._known(a)
+            v = self._read(a)
             if v is not None:
                 return ("T", v)
             f = self._first(a, path, False)
@@ -843,7 +850,7 @@ class WarmMode(TorchDispatchMode):
         targs, consts, strict, rest_pos, firsts, pending = [], [], [], [], [], []
         for p, a in enumerate(args):
             if isinstance(a, _Tensor):
-                v = self._known(a)
+                v = self._known(a) if info.layout_only and p == 0 else self._read(a)
                 if v is not None:
                     targs.append((p, v))
                 else:
@@ -974,7 +981,7 @@ class WarmMode(TorchDispatchMode):
         graph = self.tracer.graph
         n_nodes, n_groups = len(graph.nodes), len(graph.groups)
         plain = type(t) is _Tensor or not is_subclass(t)
-        v = self._known(t) if plain else None
+        v = self._read(t) if plain else None
         first = self._first(t, None, False) if plain and v is None else None
         slot = region._pack(t)
         if not isinstance(slot, self.Slot) or slot.host is not None:
