@@ -11,11 +11,12 @@ Per variant:
   compiles in the first, compiled replay on a structure's second sight). Variants take
   turns, as in the main benchmark.
 - **peak over weights**: on CUDA, ``torch.cuda.max_memory_allocated`` during a step minus
-  what was allocated before it (weights and batch); not measured on CPU (the main
-  benchmark's probe reads CPU memory).
+  what was allocated before it (weights and batch); on CPU the peak of tensor bytes over the
+  step, from the profiler's allocation events (``_cpu_memory``).
 - **max |grad difference|** from the no-checkpoint run of the first step.
-- **held after forward**: on CUDA, what one forward leaves allocated while its loss is
-  alive (what backward reads): offloaded tensors count 0 once their copy has left.
+- **held after forward**: what one forward leaves allocated while its loss is alive (what
+  backward reads): offloaded tensors count 0 once their copy has left (on CPU, tensor bytes,
+  from the same events).
 - **first step s**: the first warm-up step, where a compiled variant compiles.
 
 The variants. Eager: no checkpoint; ``torch.utils.checkpoint``; torch's selective checkpoint
@@ -37,6 +38,7 @@ over the whole model with torch's checkpoint. The goals printed at the end are i
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -135,6 +137,8 @@ def run(
             )
         if dev.type == "cuda":
             rows[key].update(_cuda_memory(dev, models[key], lambda: step(key), lambda: forward(key)))
+        else:
+            rows[key].update(_cpu_memory(models[key], lambda: step(key), lambda: forward(key)))
         if key.startswith("tracedac") and "offload" in key:  # its copies, as tracedac counts them
             with tracedac.offload.host.tracked() as copies:
                 step(key)
@@ -194,6 +198,39 @@ def _cuda_memory(dev: torch.device, model: nn.Module, step: Callable, forward: C
     torch.cuda.synchronize(dev)
     held = torch.cuda.memory_allocated(dev) - start
     loss.backward()  # frees what the forward saved (and the host copies)
+    del loss
+    return {"peak_over_weights": peak, "held_after_forward": held}
+
+
+def _cpu_memory(model: nn.Module, step: Callable, forward: Callable) -> dict:
+    """On the CPU, tensors only, from the profiler's allocation events (``profile_memory=True``:
+    torch's CPU allocator reports every allocation and free of a storage, with its size, in
+    order): the peak of the running sum over one step, and its net over one forward whose loss
+    is alive (what backward will read). Storages freed that were allocated before profiling
+    began count as frees of nothing, so a figure can only err upwards; Python objects are not
+    seen (glibc keeps no peak of them: the main benchmark's child reads its bytes held)."""
+    from .planners import _allocation_events
+
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        step()
+    level = peak = 0
+    for size in _allocation_events(prof):
+        level += size
+        peak = max(peak, level)
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        loss = forward()
+    held = sum(_allocation_events(prof))
+    loss.backward()
     del loss
     return {"peak_over_weights": peak, "held_after_forward": held}
 
@@ -271,6 +308,14 @@ def _targets(rows: dict, cuda: bool) -> list[dict]:
     ]
 
 
+def _size(n: int) -> str:
+    """Bytes in the unit that shows them: GiB for a GPU's, KiB for the CPU's tiny models."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
 def format_report(r: dict) -> str:
     rows = r["variants"]
     torch_s = next((x["step_s"] for x in rows if x["key"] == "torch" and "step_s" in x), None)
@@ -285,8 +330,8 @@ def format_report(r: dict) -> str:
                 x["label"],
                 f"{x['step_s'] * 1e3:.1f}",
                 f"{x['step_s'] / torch_s:.2f}x" if torch_s else "-",
-                f"{peak / 2**30:.2f} GiB" if peak is not None else "-",
-                f"{held / 2**30:.2f} GiB" if held is not None else "-",
+                _size(peak) if peak is not None else "-",
+                _size(held) if held is not None else "-",
                 f"{x['max_grad_diff']:.2e}" if "max_grad_diff" in x else "-",
                 f"{x['first_step_s']:.1f}",
             ]

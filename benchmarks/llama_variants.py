@@ -103,6 +103,17 @@ def _save_on_cpu() -> contextlib.AbstractContextManager:
     return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
 
+@contextlib.contextmanager
+def _recorded():
+    """Every region call recorded in full: tracedac's warm path off (docs/design.md, "The warm
+    path"), as before it existed."""
+    before = tracedac.warm_path(False)
+    try:
+        yield
+    finally:
+        tracedac.warm_path(before)
+
+
 @dataclass(frozen=True)
 class Variant:
     key: str
@@ -142,7 +153,19 @@ VARIANTS = (
         compiled_replay=True,
         fusion="all",
     ),
+    Variant(
+        "tracedac_recompute_all_recorded",
+        "tracedac recompute_all, op by op, every call recorded (warm path off)",
+        _tracedac(policies.recompute_all()),
+        context=_recorded,
+    ),
     Variant("tracedac_save_matmuls", "tracedac save_matmuls, op by op", _tracedac(policies.save_matmuls())),
+    Variant(
+        "tracedac_save_matmuls_recorded",
+        "tracedac save_matmuls, op by op, every call recorded (warm path off)",
+        _tracedac(policies.save_matmuls()),
+        context=_recorded,
+    ),
     Variant(
         "tracedac_save_matmuls_cr",
         "tracedac save_matmuls, compiled replay",

@@ -20,12 +20,15 @@ its two halves: the *recorded forward* and the *replaying backward*. For each ha
 - the ops with most self CPU time, with their counts.
 
 Then, unprofiled, **the floors under the recorded forward**: the forward alone, median of
-``FLOOR_REPS``, with each block plain, under torch's checkpoint, under an empty
+``FLOOR_REPS`` taken in turns, with each block plain, under torch's checkpoint, under an empty
 ``TorchDispatchMode``, recorded by ``floors.LeastRecorder`` (the least any recorder written in
-Python must do) and recorded by tracedac; its host time (until the Python returns) and wall
-time (until the device is done). On a GPU, where the forward is host-bound, what tracedac
-takes over the least recorder is what a faster recorder in Python could still win, and the
-least recorder's over torch's checkpoint is what only a recorder below Python could.
+Python must do), run warm by tracedac (the block's template, made by the warm-up forwards:
+docs/design.md, "The warm path") and recorded by tracedac in full (``tracedac.warm_path(False)``);
+its host time (until the Python returns), its thread time (CPU time of this thread: what a
+loaded machine disturbs least) and wall time (until the device is done), and the ratios the
+issue's goals are about. On a GPU, where the forward is host-bound, what tracedac takes over
+the least recorder is what a faster recorder in Python could still win, and the least
+recorder's over torch's checkpoint is what only a recorder below Python could.
 
 The same command runs on a GPU machine (``--device cuda``): docs/results.md has its figures on an
 H100 and an H200.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import statistics
 import time
 from dataclasses import asdict
@@ -53,7 +57,7 @@ from .model import GPT, Block, make_batch
 __all__ = ["run", "format_report"]
 
 TOP = 12
-FLOOR_REPS = 7
+FLOOR_REPS = 9
 
 
 def _sync(device):
@@ -126,7 +130,7 @@ def run(cfg, device: str = "cpu") -> dict:
         loss, forward = _profiled(lambda: model(*batch), dev)
         _, backward = _profiled(loss.backward, dev)
         result[key] = {"forward": forward, "backward": backward}
-    result["floors"] = _floors(base, unit, batch, dev)
+    result["floors"], result["floors_load"] = _floors(base, unit, batch, dev)
     return result
 
 
@@ -150,35 +154,63 @@ FLOORS = (  # key, label, apply(model, unit): how the blocks run
     ("torch", "torch checkpoint", _each_block(_torch_checkpoint)),
     ("empty", "empty TorchDispatchMode", _each_block(under_empty_mode)),
     ("least", "LeastRecorder (least a recorder in Python does)", _each_block(under_least_recorder)),
-    ("tracedac", "tracedac recompute_all", tracedac.wrap),
+    ("tracedac", "tracedac recompute_all, warm (its template runs)", tracedac.wrap),
+    ("cold", "tracedac recompute_all, recorded (warm path off)", tracedac.wrap),
 )
+COLD = frozenset(["cold"])  # run with tracedac.warm_path(False)
+# The goals of issue 46, on thread time: the warm forward against the floors.
+GOALS = (("tracedac", "least", 1.0), ("tracedac", "empty", 1.3))
+
+
+def _forward(model, batch, cold: bool):
+    if not cold:
+        return model(*batch)
+    before = tracedac.warm_path(False)
+    try:
+        return model(*batch)
+    finally:
+        tracedac.warm_path(before)
 
 
 def _floors(base, unit, batch, dev) -> dict:
-    """The forward alone under each of ``FLOORS``, in turns (``child.time_in_turns``): host and
-    wall seconds, medians."""
+    """The forward alone under each of ``FLOORS``, in turns (``child.time_in_turns``): host,
+    thread and wall seconds, medians; and the load average before and after."""
     models = {}
     for key, _, apply in FLOORS:
         models[key] = copy.deepcopy(base)
         apply(models[key], unit)
-        for _ in range(2):  # warm-up forwards
-            models[key](*batch)
+        for _ in range(2):  # warm-up forwards (the first makes a region's template)
+            _forward(models[key], batch, key in COLD)
 
     def timed_forward(key, rep):
         _sync(dev)
-        start = time.perf_counter()
-        loss = models[key](*batch)
-        returned = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
+        loss = _forward(models[key], batch, key in COLD)
+        returned, thread = time.perf_counter(), time.thread_time()
         _sync(dev)
         done = time.perf_counter()
         del loss  # (the least recorder's cannot run backward)
-        return returned - start, done - start
+        return returned - start, done - start, thread - cpu
 
-    times = time_in_turns(models, FLOOR_REPS, timed_forward, lambda _: None)
-    return {
-        key: {"host_s": statistics.median(h for h, _ in t), "wall_s": statistics.median(w for _, w in t)}
+    load = os.getloadavg()[0]
+    # one intra-op thread on the CPU: all of a forward's work in this thread, so that its CPU
+    # time is the forward's (and no pool's threads wait on a loaded machine's other work)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        times = time_in_turns(models, FLOOR_REPS, timed_forward, lambda _: None)
+    finally:
+        torch.set_num_threads(threads)
+    floors = {
+        key: {
+            "host_s": statistics.median(h for h, _, _ in t),
+            "wall_s": statistics.median(w for _, w, _ in t),
+            "thread_s": statistics.median(c for _, _, c in t),
+        }
         for key, t in times.items()
     }
+    return floors, (load, os.getloadavg()[0])  # (and the load average before and after)
 
 
 def format_report(r: dict) -> str:
@@ -217,21 +249,34 @@ def format_report(r: dict) -> str:
             f"| {t['op']} | {t['calls']} | {t['self_cpu_s'] * 1e3:.2f} |" for t in r["tracedac"][half]["top"]
         ]
     f, ops = r["floors"], r["tracedac"]["forward"]["mode_calls"]
+    before, after = r.get("floors_load", (float("nan"), float("nan")))
     lines += [
         "",
-        f"the forward alone, each block under each floor (median of {FLOOR_REPS}; host: until the "
-        "Python returns, wall: until the device is done)",
-        "| forward | host ms | wall ms | wall / plain |",
-        "|---|---|---|---|",
+        f"the forward alone, each block under each floor (median of {FLOOR_REPS}, in turns; on the CPU "
+        "one intra-op thread; host: until the Python returns, thread: this thread's CPU time, wall: "
+        f"until the device is done; load average {before:.1f} before, {after:.1f} after, on "
+        f"{os.cpu_count()} CPUs)",
+        "| forward | host ms | thread ms | wall ms | thread / plain | thread / empty mode |",
+        "|---|---|---|---|---|---|",
     ]
-    lines += [
-        f"| {label} | {f[k]['host_s'] * 1e3:.1f} | {f[k]['wall_s'] * 1e3:.1f} | "
-        f"{f[k]['wall_s'] / f['plain']['wall_s']:.2f}x |"
-        for k, label, _ in FLOORS
-    ]
-    over = f["tracedac"]["host_s"] - f["least"]["host_s"]
-    lines.append(
-        f"tracedac's host time over the least recorder's: {over * 1e3:+.1f} ms, "
-        f"{over / max(ops, 1) * 1e6:+.1f} us for each of its {ops} recorded ops"
-    )
+    for k, label, _ in FLOORS:
+        t = f[k]
+        lines.append(
+            f"| {label} | {t['host_s'] * 1e3:.1f} | {t['thread_s'] * 1e3:.1f} | {t['wall_s'] * 1e3:.1f} | "
+            f"{t['thread_s'] / f['plain']['thread_s']:.2f}x | {t['thread_s'] / f['empty']['thread_s']:.2f}x |"
+        )
+    names = {k: label.split(" (")[0] for k, label, _ in FLOORS}
+    lines.append("ratios (thread time):")
+    for a, b, goal in GOALS:
+        ratio = f[a]["thread_s"] / f[b]["thread_s"]
+        verdict = "met" if ratio <= goal else "missed"
+        lines.append(f"  {names[a]} / {names[b]}: {ratio:.2f}x (goal <= {goal:.2f}x: {verdict})")
+    for a, b in (("cold", "least"), ("cold", "empty"), ("tracedac", "cold"), ("tracedac", "torch")):
+        lines.append(f"  {names[a]} / {names[b]}: {f[a]['thread_s'] / f[b]['thread_s']:.2f}x")
+    for key in ("tracedac", "cold"):
+        over = f[key]["host_s"] - f["least"]["host_s"]
+        lines.append(
+            f"{names[key]}'s host time over the least recorder's: {over * 1e3:+.1f} ms, "
+            f"{over / max(ops, 1) * 1e6:+.1f} us for each of its {ops} recorded ops"
+        )
     return "\n".join(lines)

@@ -101,6 +101,36 @@ def outside(rank, world):
             assert cb.difference(got, want) == 0.0, (name, cb.difference(got, want))
 
 
+def warm(rank, world):
+    """Each block repeated three steps under each policy (the warm path, record/warm.py: the
+    first call records a template, the next ones run it): check "warm <kind> <policy>", every
+    step's collectives and gradients those of no checkpointing; and "warm calls", how many calls
+    ran warm (a planner's region runs warm from its third call: the second makes its plan)."""
+    from tracedac.policies.plan_cache import plans
+    from tracedac.record import warm as warm_path
+    from tracedac.record.template import TEMPLATES
+
+    before = warm_path.stats()["warm"]
+    for kind in PLAIN:
+        block, x = cb.inputs(rank, lambda: MAKE[kind](world))
+        fwd, bwd, want = cb.step(block, x)
+        for name, policy in cb.POLICIES.items():
+            with check(f"warm {kind} {name}"):
+                TEMPLATES.clear()
+                plans.entries.clear()  # (an earlier part's cached plan would make its template early)
+                tracedac.checkpoint(block, policy=policy())
+                try:
+                    steps = [cb.step(block, x) for _ in range(3)]
+                finally:
+                    tracedac.unwrap(block)
+                for got_fwd, got_bwd, got in steps:
+                    assert (got_fwd, got_bwd) == (fwd, bwd), (name, got_fwd, got_bwd)
+                    assert cb.difference(got, want) == 0.0, (name, cb.difference(got, want))
+    with check("warm calls"):
+        ran = warm_path.stats()["warm"] - before
+        assert ran == 3 * (2 + 2 + 1 + 1), ran
+
+
 def _keep_collectives_replayed(node):
     """A policy that asks for every collective to be replayed."""
     if "c10d" in node.name:
@@ -196,8 +226,8 @@ def compiled(rank, world, names):
 
 @pytest.fixture(scope="module")
 def eager_ranks():
-    parts = [(eager, kind) for kind in PLAIN] + [(outside,), (refusals,)]
-    return run_parts(2, parts, timeout=120)
+    parts = [(eager, kind) for kind in PLAIN] + [(outside,), (refusals,), (warm,)]
+    return run_parts(2, parts, timeout=180)
 
 
 @pytest.fixture(scope="module", params=[POLICIES[:2], POLICIES[2:]], ids=", ".join)
@@ -216,6 +246,14 @@ def test_a_checkpointed_moe_block_issues_as_many_all_to_alls_as_without_checkpoi
     """Forward: the split sizes' all-to-all and the tokens' two; backward: the two tokens'
     gradients', none replayed. Gradients equal the block's without checkpointing."""
     eager_ranks.passed(f"moe {policy}")
+
+
+def test_a_region_repeated_warm_issues_its_collectives_once_and_keeps_them(eager_ranks):
+    """The warm path (record/warm.py) runs a region's collectives once per forward, as the
+    forward does, and keeps their results as a recorded call does: every step's collectives and
+    gradients those of no checkpointing, under every policy, with the steps after the first (a
+    planner's: the second) run warm. Without keeping them, backward would issue them again."""
+    eager_ranks.passed(*(f"warm {kind} {name}" for kind in PLAIN for name in POLICIES), "warm calls")
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -162,19 +162,22 @@ def check_op(op, refusals: dict) -> tuple[int, list[str]]:
             except Exception:
                 continue  # eager refuses the sample (an in-place variant that would broadcast)
             for policy in POLICIES:
-                checked += 1
-                try:
-                    got = _execute(case, policy)
-                except tracedac.CheckpointError as e:
-                    refusals.setdefault(op.name, str(e))
-                    continue
-                except Exception as e:  # a crash that is not a refusal
-                    problems.append(f"{variant} under {policy}: {type(e).__name__}: {e}")
-                    continue
-                bitwise = op.name not in NOT_BITWISE_IN_EAGER
-                for what, a, b in zip(("outputs", "gradients", "final arguments"), expected, got):
-                    if len(a) != len(b) or not all(_same(x, y, bitwise) for x, y in zip(a, b)):
-                        problems.append(f"{variant} under {policy}: wrong {what}")
+                # twice: the first call records, the second repeats its template (the warm
+                # path, docs/design.md) on fresh arguments of the same shapes
+                for call in ("", ", repeated"):
+                    checked += 1
+                    try:
+                        got = _execute(case, policy)
+                    except tracedac.CheckpointError as e:
+                        refusals.setdefault(op.name, str(e))
+                        break
+                    except Exception as e:  # a crash that is not a refusal
+                        problems.append(f"{variant} under {policy}{call}: {type(e).__name__}: {e}")
+                        break
+                    bitwise = op.name not in NOT_BITWISE_IN_EAGER
+                    for what, a, b in zip(("outputs", "gradients", "final arguments"), expected, got):
+                        if len(a) != len(b) or not all(_same(x, y, bitwise) for x, y in zip(a, b)):
+                            problems.append(f"{variant} under {policy}{call}: wrong {what}")
     return checked, problems
 
 

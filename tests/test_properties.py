@@ -13,6 +13,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 import tracedac
 from tracedac import CheckpointError, checkpoint, policies
 from tracedac.offload import host as offload
+from tracedac.record import warm
+from tracedac.record.template import TEMPLATES
 from tracedac.replay.run import fill_fresh_with_nan
 
 aten = torch.ops.aten
@@ -205,21 +207,39 @@ def attempt(fn, program, x, w, seed, labels):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    program=programs, which=st.integers(0, 8), seed=st.integers(0, 2**16), labels=st.sets(st.integers(0, 11))
+    program=programs,
+    which=st.integers(0, 8),
+    seed=st.integers(0, 2**16),
+    labels=st.sets(st.integers(0, 11)),
+    change=st.tuples(st.integers(0, 11), st.integers(0, len(TABLE) - 1), st.integers(0, 50)),
 )
-def test_random_programs_under_random_policies_match_eager_and_run_python_once(program, which, seed, labels):
-    x, w = inputs(seed)
-    loss0, grads0, written0, calls0 = attempt(run, program, x, w, seed, labels)
-    with fill_fresh_with_nan():  # a replay reading memory it never wrote shows as NaN
-        region = checkpoint(run, policy=random_policy(which, seed))
-        loss1, grads1, written1, calls1 = attempt(region, program, x, w, seed, labels)
-    bitwise = dict(rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(loss1, loss0, **bitwise)
-    for a, b in zip(grads1, grads0):
-        torch.testing.assert_close(a, b, **bitwise)
-    assert calls1 == calls0, "Python ran once"
-    for a, b in zip(written1, written0, strict=True):
-        assert torch.equal(a, b), "every buffer ends as in eager"
+def test_random_programs_under_random_policies_match_eager_and_run_python_once(
+    program, which, seed, labels, change
+):
+    """Each program runs three times on other values of the same shapes (the first call records
+    a template, the others run it warm: record/warm.py), then once with one op changed (a warm
+    call that falls back to a full record at that op, wherever it is), each time against eager."""
+    TEMPLATES.clear()
+    region = checkpoint(run, policy=random_policy(which, seed))
+    k = change[0] % len(program)
+    changed = [*program[:k], (change[1], change[2], program[k][2]), *program[k + 1 :]]
+    before = warm.stats()
+    for prog, s in ((program, seed), (program, seed + 1), (program, seed + 2), (changed, seed + 3)):
+        x, w = inputs(s)
+        loss0, grads0, written0, calls0 = attempt(run, prog, x, w, s, labels)
+        with fill_fresh_with_nan():  # a replay reading memory it never wrote shows as NaN
+            loss1, grads1, written1, calls1 = attempt(region, prog, x, w, s, labels)
+        bitwise = dict(rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(loss1, loss0, **bitwise)
+        for a, b in zip(grads1, grads0):
+            torch.testing.assert_close(a, b, **bitwise)
+        assert calls1 == calls0, "Python ran once"
+        for a, b in zip(written1, written0, strict=True):
+            assert torch.equal(a, b), "every buffer ends as in eager"
+    if which != 5:  # (5: a user's function, which may decide from anything: every call records)
+        ran = warm.stats()
+        # planners make their template on the second call, from the plan cached by the first
+        assert ran["warm"] - before["warm"] >= (1 if which in (6, 7, 8) else 2), (ran, before)
 
 
 def offload_policy(which, seed):

@@ -9,6 +9,7 @@ from .errors import CheckpointError
 from .inspect.peak_tradeoff import peak_trade_off
 from .inspect.saved import print_saved, saved_report
 from .inspect.tradeoff import trade_off
+from .record.warm import enable as warm_path
 from .replay.compiled import compiled_replay
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "saved_report",
     "trade_off",
     "unwrap",
+    "warm_path",
     "wrap",
 ]
 

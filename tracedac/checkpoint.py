@@ -383,13 +383,6 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     if tracing((tensor,)):
         return name_op(tensor, label)  # an op, so the label reaches the compiled graph
     for region in regions():
-        if region.tracer is None:
-            continue
-        g = region.tracer.group_of(tensor)
-        if g is None or g.node is None:
-            continue
-        node = g.node
-        node.labels = node.labels | {label}
-        if region.decide(node) and g.held is None:
-            region.hold(g, tensor)
+        if region.tracer is not None:
+            region.label(tensor, label)
     return tensor

@@ -23,14 +23,16 @@ from .errors import CheckpointError
 from .offload.host import host_copy, leave_device, settle
 from .policies.collectives import check_agreement
 from .policies.held import describe_policy
-from .policies.plan_cache import Planning, computation, plan_key
+from .policies.plan_cache import Planning, computation, input_signature, plan_key
 from .policies.spec import PolicySpec
+from .record import warm as _warm
 from .record.decisions import is_offload, is_save, resolve
 from .record.graph import RegionGraph
 from .record.location import track_modules
 from .record.naming import arg_refs, describe, module_table, registered_name
 from .record.op_info import storage_address
 from .record.subclasses import is_subclass, saved
+from .record.template import TEMPLATES
 from .record.tracer import TracerMode
 from .replay.plan import plan
 from .replay.run import Slot
@@ -58,6 +60,32 @@ _UNUSED = (None,)
 
 def _unpack(handle):
     return handle.unpack()
+
+
+def _unpack_warm(region, handle):
+    """Unpacking a handle of a region that may still run warm: replay reads the recorded graph,
+    which a warm call has not made yet (``WarmMode.unpacking``)."""
+    r = region()
+    if r is not None and r.warm is not None:
+        r.warm.unpacking()
+    return handle.unpack()
+
+
+def _warm_key(spec, code, module, args, kwargs):
+    """What a region's template is cached by (None: not cacheable): its policy (as a value), the code run,
+    the module's class and mode, the inputs' shapes, dtypes, devices and ``requires_grad``.
+    Everything else a call does is checked against the template as it runs."""
+    key = (
+        spec.value,
+        code,
+        None if module is None else (type(module), module.training),
+        input_signature(args, kwargs),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 # Owners of tensors from outside any region that they can rebuild on request: each has
@@ -99,8 +127,11 @@ class Region:
         self.prefix = prefix  # "blocks.3." when the region is named by its module's qualified name
         reporting = getattr(_local, "reporting", None)
         self.report = report or reporting is not None
-        # module paths cost two hooks per module call: only for policies and reports that read them
-        self.tracks_modules = self.report or self.constant is None
+        # (a nested region records: it reads the enclosing one's groups)
+        warm = spec.warm and not self.report and _warm.enabled() and not _stack()
+        # module paths cost two hooks per module call: only for policies and reports that read
+        # them (a structural policy never does)
+        self.tracks_modules = self.report or (self.constant is None and not warm)
         if callable(module_names):  # a table built on demand
             module_names = module_names() if self.tracks_modules else None
         self.module_names = module_names if module_names is not None else {}
@@ -135,14 +166,34 @@ class Region:
                 key = None if self.report else plan_key(by, code, module, args, kwargs)
                 self.planning = Planning(planner, key, offload=spec.offloads_kept)
         self.tracer = TracerMode(self.graph, self)
+        # The warm path (record/warm.py): a call whose structure repeats a recorded one's runs
+        # its template, checked op by op; a first call records one. Not for what it cannot
+        # repeat without recording (docs/design.md, "The warm path").
+        self.warm = None
+        if warm:
+            wkey = _warm_key(spec, code, module, args, kwargs)
+            if wkey is not None:
+                entry, cache_key = TEMPLATES.find(wkey, name)
+                if entry is None or not entry.cold:
+                    t = entry.template if entry is not None else None
+                    planned = self.planning.cached if self.planning is not None else None
+                    run = t is not None and t.plan_entry is planned
+                    self.warm = _warm.WarmMode(
+                        self, entry if run else None, cache_key, Slot, _owner if REBUILDERS else None
+                    )
         # Autograd keeps the pack hook in every saved variable: let it hold the region weakly,
         # so nothing but the handles keeps the graph alive.
         region = weakref.ref(self)
         if self.report:
             pack = lambda t: region().pack(t)  # noqa: E731
+        elif self.warm is not None:
+            pack = self.warm.pack  # (holds the region only until it ends: WarmMode.close)
         else:
             pack = lambda t: region()._pack(t)  # noqa: E731
-        unpack = _unpack if self.watch is None else self.watch.unpack
+        if self.watch is not None:  # (peak's: its regions never run warm)
+            unpack = self.watch.unpack
+        else:
+            unpack = _unpack if self.warm is None else functools.partial(_unpack_warm, region)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     @property
@@ -175,6 +226,8 @@ class Region:
             return  # a planned op's result the plan does not keep
         group.held = tensor
         self.raw_held[group.id] = (group, tensor)
+        if self.warm is not None and self.warm.log is not None:
+            self.warm.held_now(group, tensor)  # the template holds it at the same event
 
     def alias(self, group, t: torch.Tensor) -> torch.Tensor:
         """A detached alias of ``t`` sharing its version counter, also held for ``group``
@@ -231,6 +284,29 @@ class Region:
         self.kept.append(slot)
         return self.tracer.packed(slot, t)
 
+    def label(self, tensor: torch.Tensor, label: str) -> None:
+        """``tracedac.name(tensor, label)`` inside this region: label the node that produced the
+        tensor's current state and decide it again (a warm call checks the label against its
+        template instead)."""
+        warm = self.warm
+        if warm is not None:
+            if warm.running() and warm.label(tensor, label):
+                return
+            if warm.log is not None:
+                warm.logged_label(tensor, label, lambda: self._label(tensor, label))
+                return
+        self._label(tensor, label)
+
+    def _label(self, tensor: torch.Tensor, label: str):
+        g = self.tracer.group_of(tensor)
+        if g is None or g.node is None:
+            return None
+        node = g.node
+        node.labels = node.labels | {label}
+        if self.decide(node) and g.held is None:
+            self.hold(g, tensor)
+        return node
+
     def can_rebuild(self, t: torch.Tensor) -> bool:
         """Whether this region (or one around it) computed ``t`` and could replay it."""
         if self.tracer is None:
@@ -246,17 +322,19 @@ class Region:
     def __enter__(self):
         stack = _stack()
         self.parent = stack[-1] if stack else None
+        if self.parent is not None and self.parent.warm is not None:
+            self.parent.warm.nested()  # it records from here: this region reads its groups
         stack.append(self)
         if self.tracks_modules:
             track_modules(True)
-        self.tracer.__enter__()
+        (self.warm or self.tracer).__enter__()
         self._hooks.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         try:
             self._hooks.__exit__(exc_type, exc, tb)
-            self.tracer.__exit__(exc_type, exc, tb)
+            (self.warm or self.tracer).__exit__(exc_type, exc, tb)
         finally:
             if self.tracks_modules:
                 track_modules(False)
@@ -269,12 +347,20 @@ class Region:
         finally:
             self.graph.recording = False  # (a region that raised: nothing is live any more)
             self.tracer.close()
-            self.tracer = self._hooks = None
+            if self.warm is not None:
+                self.warm.close()
+            self.tracer = self._hooks = self.warm = None
         return False
 
     def _finish(self) -> None:
         """Plan replay for every handle, then let go of everything the plan does not use."""
         graph = self.graph
+        warm = self.warm
+        if warm is not None and warm.running():
+            module = weakref.ref(self.module) if self.module is not None else None
+            graph.namer = functools.partial(describe, module, self.arg_refs, self.prefix)
+            if warm.finish(self):
+                return  # the graph a recorded call leaves, from the template and this call's tensors
         if self.spec.labels:
             _warn_unmatched_labels(self.spec, graph)
         self.tracer.settle_packed()
@@ -318,6 +404,8 @@ class Region:
                 check_agreement(graph, None, error=e)
                 raise
             check_agreement(graph, frozenset(p.nodes))
+        if warm is not None:
+            warm.keep(self, p, kept_groups)  # a logging call's template, before the release
         self._release(p, kept_groups)
         if self.offloads:  # what is still held of an offloaded result: to host if replay reads it
             leave_device(graph.groups, kept)

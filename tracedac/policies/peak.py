@@ -686,6 +686,10 @@ class Peak(Planner):
     bytes, at the least estimated replay (module docstring). One object per model: it
     coordinates the regions that share it, so it compares by identity."""
 
+    # Each call of its regions is followed (a watch on the region's unpack and end marks the
+    # step's intervals, even once planned), so its regions record every call: no warm path.
+    structural = False
+
     budget: int
     meter: object = None  # None: ``meter_for`` the device; else a Meter, or a callable device -> Meter
     state: _State = field(default_factory=_State, repr=False)

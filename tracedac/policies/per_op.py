@@ -64,6 +64,8 @@ def _packet(op):
 class RecomputeAll(Held):
     """Keep nothing the region computed; replay every tensor backward needs."""
 
+    structural = True  # decides from the op alone (``spec.PolicySpec``)
+
     constant = PREFER_RECOMPUTE  # the same for every node: a region need not ask
 
     def __call__(self, node) -> CheckpointPolicy:
@@ -77,6 +79,8 @@ class RecomputeAll(Held):
 class SaveAll(Held):
     """Keep what autograd saves, as without checkpointing (Python still runs once)."""
 
+    structural = True  # decides from the op alone (``spec.PolicySpec``)
+
     constant = PREFER_SAVE
 
     def __call__(self, node) -> CheckpointPolicy:
@@ -89,6 +93,8 @@ class SaveAll(Held):
 @dataclass(frozen=True)
 class SaveOps(Held):
     """Keep the results of these ops (an overload, or every overload of a packet)."""
+
+    structural = True  # decides from the op alone (``spec.PolicySpec``)
 
     ops: frozenset
 
@@ -108,6 +114,8 @@ class SaveOps(Held):
 class SaveNames(Held):
     """Keep the results labelled with ``tracedac.name(tensor, label)`` for one of these labels."""
 
+    structural = True  # decides from the op and the labels alone (``spec.PolicySpec``)
+
     names: frozenset
 
     @property
@@ -125,6 +133,10 @@ class SaveNames(Held):
 class OffloadOps(Held):
     """Offload the results of these ops to host memory (an overload, or every overload of a packet)."""
 
+    # (decides from the op alone, but a region that offloads records every call: the warm path
+    # does not move host copies, ``spec.PolicySpec``)
+    structural = False
+
     ops: frozenset
 
     def __call__(self, node) -> CheckpointPolicy:
@@ -140,6 +152,8 @@ class OffloadOps(Held):
 @dataclass(frozen=True)
 class OffloadNames(Held):
     """Offload the results labelled with ``tracedac.name(tensor, label)`` for one of these labels."""
+
+    structural = False  # (as OffloadOps: a region that offloads records every call)
 
     names: frozenset
 
@@ -161,6 +175,8 @@ _MUSTS = (MUST_SAVE, MUST_RECOMPUTE, MUST_CPU_OFFLOAD)
 class Either(Held):
     """Keep what any of the policies keeps; a MUST from one overrides a PREFER from another.
     Of PREFERs, an offload beats a save (both keep; the offload was asked for by name)."""
+
+    structural = True  # as structural as its policies, all of them (``spec.PolicySpec``)
 
     policies: tuple
 

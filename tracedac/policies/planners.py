@@ -307,6 +307,9 @@ class Planner(Held):
     decisions bind the planner, their PREFERs it overrides."""
 
     holds_unsaved = False  # whether it may keep storages autograd did not save
+    # its plan is made once for a recorded structure and cached (plan_cache.py): a call that
+    # repeats the structure takes that plan's decisions (``spec.PolicySpec``)
+    structural = True
 
     def __call__(self, node) -> CheckpointPolicy:
         return PREFER_RECOMPUTE

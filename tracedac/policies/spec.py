@@ -15,10 +15,16 @@ abilities as class attributes, and a flag of a policy they combine or wrap count
 - ``replays_collectives``: it decides functional collectives itself (``replay_collectives``).
 - ``labels``: the ``tracedac.name`` labels it asks for (``save_names``, ``offload_names``): a
   region none of whose results carries one of them warns, once (a typo keeps nothing).
+- ``structural``: it decides each node from what a repeated structure fixes (the op, its
+  outputs' shapes and dtypes, its labels), never from module paths, values or a state of its
+  own, so a call that repeats a recorded one may take that one's decisions (the warm path,
+  ``record/warm.py``). All of a combined or wrapped policy's policies must be.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 from torch.utils.checkpoint import CheckpointPolicy
@@ -35,6 +41,14 @@ def _labels(policy) -> frozenset:
     found = frozenset(own) if isinstance(own, (set, frozenset)) else frozenset()
     inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
     return found.union(*(_labels(p) for p in inner if p is not None and p is not policy))
+
+
+def _all(policy, name: str) -> bool:
+    """Whether ``policy`` and every policy it combines or wraps are of classes that set ``name``."""
+    if getattr(policy, name, False) is not True:
+        return False
+    inner = getattr(policy, "policies", None) or (getattr(policy, "policy", None),)
+    return all(p is None or p is policy or _all(p, name) for p in inner)
 
 
 def _flag(policy, name: str) -> bool:
@@ -57,17 +71,35 @@ class PolicySpec:
     reads_values: bool  # asked with the op's real tensors while it records
     replays_collectives: bool  # decides functional collectives itself (checked across ranks)
     labels: frozenset = frozenset()  # the tracedac.name labels it asks for
+    structural: bool = False  # decides from the structure alone: a repeated call may reuse its decisions
+    # the policy as a value holding no policy object (its class and fields), for the warm path's
+    # cache key: a policy made every step (policy=save_names(...) in the loop) is not kept by it
+    value: object = None
 
-    @property
+    # (read by every region: worked out on first use, then kept)
+    @functools.cached_property
     def timing(self) -> bool:
         """Whether the planner prices replay by recorded durations (the region times its ops)."""
         return getattr(self.planner, "cost", None) == "time"
 
-    @property
+    @functools.cached_property
     def may_offload(self) -> bool:
         """Whether anything may go to host memory (the region settles host copies at its end)."""
         planner_offloads = self.planner is not None and getattr(self.planner, "offload", False) is not False
         return self.offloads_kept or self.offloads_inputs or planner_offloads
+
+    @functools.cached_property
+    def warm(self) -> bool:
+        """Whether its regions may run warm (``record/warm.py``): it decides from the structure
+        alone, and none of what the warm path leaves to a full record (timing ops, reading their
+        values, offloading, replaying collectives checked across ranks)."""
+        return (
+            self.structural
+            and not self.timing
+            and not self.reads_values
+            and not self.may_offload
+            and not self.replays_collectives
+        )
 
 
 def spec_of(policy) -> PolicySpec:
@@ -84,4 +116,15 @@ def spec_of(policy) -> PolicySpec:
         reads_values=_flag(policy, "reads_values"),
         replays_collectives=_flag(policy, "replays_collectives"),
         labels=_labels(policy),
+        structural=_all(policy, "structural"),
+        value=_value(policy),
     )
+
+
+def _value(x):
+    """A frozen dataclass policy as (its class, its fields' values), policies inside it in turn."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x), tuple(_value(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    if isinstance(x, (tuple, list)):
+        return tuple(_value(y) for y in x)
+    return x

@@ -22,6 +22,7 @@ class Wrapper(Held):
     (its constant decision, its planner, whether it offloads what it keeps)."""
 
     policy: object
+    structural = True  # as structural as the policy it wraps (``spec._all`` asks that one too)
 
     @property
     def constant(self):

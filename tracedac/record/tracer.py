@@ -29,6 +29,10 @@ __all__ = ["TracerMode", "deciding", "unrecorded"]
 
 _Tensor = torch.Tensor
 _local = threading.local()  # ``unrecorded``'s switch
+# How many threads are inside ``unrecorded`` now: a warm call (``warm.py``) reads the switch of
+# its own thread only when some thread is (one list lookup per op instead of a thread-local's).
+UNRECORDED = [0]
+_unrecorded_lock = threading.Lock()
 _NO_KWARGS: dict = {}  # shared by every node without keyword arguments: never written
 _SEQUENCES = (list, tuple)
 _FIRST = (0,)  # the ``creates`` of nearly every node: one shared tuple
@@ -75,10 +79,14 @@ def unrecorded():
     CUDA backward runs on the engine's device thread, under a copy of the caller's modes."""
     before = _local.__dict__.get("unrecorded", False)
     _local.unrecorded = True
+    with _unrecorded_lock:
+        UNRECORDED[0] += 1
     try:
         yield
     finally:
         _local.unrecorded = before
+        with _unrecorded_lock:
+            UNRECORDED[0] -= 1
 
 
 def _written_tensors(positions, args, kwargs):
@@ -313,7 +321,6 @@ class TracerMode(TorchDispatchMode):
             return decline(func, types, args, kwargs)
         info = _INFO.get(id(func))
         info = info[1] if info is not None else op_info(func)
-        storages = self.storages
         if info.view:
             if info.bare:
                 return func._op(*args, **kwargs)
@@ -355,8 +362,16 @@ class TracerMode(TorchDispatchMode):
             elapsed = _timed(func, args, kwargs)
             out = elapsed[0]
         else:
+            elapsed = None
             out = func._op(*args, **kwargs)  # what OpOverload.__call__ does, one Python frame less
+        return self._record(func, info, args, kwargs, margs, mkwargs, written, rng, out, elapsed)
 
+    def _record(self, func, info, args, kwargs, margs, mkwargs, written, rng, out, elapsed) -> object:
+        """What an op that has run leaves in the graph: its node (if it allocated or wrote a
+        storage), the groups of the storages it made, its decision; returns ``out``. Split
+        from ``__torch_dispatch__`` for the warm path (``warm.py``), which ran the op itself
+        before finding it was not the one its template expected."""
+        storages = self.storages
         for t, g, cdata, nbytes in written:
             storage = t.untyped_storage()
             if storage._cdata != cdata or (storage.nbytes() != nbytes and info.rebinds):
