@@ -152,8 +152,9 @@ def _parser() -> argparse.ArgumentParser:
         "--fsdp2",
         action="store_true",
         help="tracedac regions inside FSDP2 instead (fsdp2.py): fully_shard per block then the model, "
-        "each block checkpointed by torch or by tracedac, on --ranks gloo processes it starts itself: "
-        "bytes held after forward, step time, gradient difference and router counts, ratios to torch "
+        "each block checkpointed by torch or by tracedac, on --ranks gloo processes it starts itself "
+        "(with --device cuda: NCCL ranks, one GPU each, one rank by default): bytes held after forward, "
+        "step time, gradient difference and router counts, ratios to torch "
         "(size flags, --steps, --quick, --json apply)",
     )
     p.add_argument(
@@ -276,11 +277,15 @@ def main(argv=None) -> int:
     elif args.fsdp2:
         from . import fsdp2, probe
 
-        world = fsdp2.RANKS if args.ranks is None else args.ranks
+        on_cuda = args.device.startswith("cuda")
+        world = (1 if on_cuda else fsdp2.RANKS) if args.ranks is None else args.ranks
         steps = fsdp2.STEPS if args.steps is None else args.steps
         try:
             fsdp2.check_settings(
-                fsdp2.QUICK if args.quick else _config(args), min(steps, 2) if args.quick else steps, world
+                fsdp2.QUICK if args.quick else _config(args),
+                min(steps, 2) if args.quick else steps,
+                world,
+                args.device,
             )
         except (ValueError, probe.ProbeUnavailable) as e:
             parser.error(str(e))
@@ -290,6 +295,7 @@ def main(argv=None) -> int:
             steps=steps,
             quick=args.quick,
             progress=None if args.quiet else sys.stderr,
+            device=args.device,
         )
         print(fsdp2.format_report(figures))
     elif args.compile:

@@ -3,7 +3,9 @@
 The benchmark's GPT (``model.py``: MoE feed-forward whose router counts its tokens, dropout)
 sharded as FSDP2's users shard it: ``fully_shard`` on each block, then on the model, on a
 1-D mesh of ``--ranks`` gloo ranks (2 by default) this command starts (one thread each, a
-file rendezvous in a temporary directory). Each rank takes its rows of the batch. Every block
+file rendezvous in a temporary directory); with ``--device cuda``, NCCL ranks, each on its own
+GPU (one rank by default: FSDP2 then gathers nothing, but its hooks, its parameters and the
+checkpoints inside are a real FSDP2 step's). Each rank takes its rows of the batch. Every block
 is checkpointed before ``fully_shard``, so FSDP2's all-gather and free stay outside it:
 
 - no checkpoint;
@@ -15,7 +17,8 @@ is checkpointed before ``fully_shard``, so FSDP2's all-gather and free stay outs
 
 Figures, each measured from outside the library, all variants in the same run:
 
-- **bytes held after forward**: ``probe.allocated_bytes()`` (glibc ``mallinfo2``) after the
+- **bytes held after forward**: on CUDA ``torch.cuda.memory_allocated`` after the forward minus
+  before it (synchronized). On the CPU ``probe.allocated_bytes()`` (glibc ``mallinfo2``) after the
   forward minus before it, the loss alive, ``gc.collect()`` first, the least of three
   forwards; in ranks started with ``PYTHONMALLOC=malloc`` and glibc's per-thread cache off
   (``child.run_child``'s set-up), so Python objects count beside tensors (a recorded graph's
@@ -126,13 +129,30 @@ VARIANTS: tuple[Variant, ...] = (
 # --- in each rank ---------------------------------------------------------------------------
 
 
+def _device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _allocated() -> int:
+    """Bytes in use on this rank's device, read from outside tracedac (see the module's notes)."""
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return probe.allocated_bytes()
+
+
 def _build(cfg: Config, variant: Variant) -> GPT:
     """The seeded model: each block checkpointed by ``variant``, then ``fully_shard``-ed; then the model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = GPT.seeded(cfg)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    device = _device()
+    model = GPT.seeded(cfg).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
         if variant.apply is not None:
             variant.apply(block)
@@ -144,7 +164,7 @@ def _build(cfg: Config, variant: Variant) -> GPT:
 def _rank_batch(cfg: Config, rank: int, world: int):
     idx, targets = make_batch(cfg)
     per = cfg.batch // world
-    return idx[rank * per : (rank + 1) * per], targets[rank * per : (rank + 1) * per]
+    return tuple(t[rank * per : (rank + 1) * per].to(_device()) for t in (idx, targets))
 
 
 def _held_after_forward(model: GPT, batch, seed: int, repeats: int = 3) -> int:
@@ -155,10 +175,10 @@ def _held_after_forward(model: GPT, batch, seed: int, repeats: int = 3) -> int:
         torch.manual_seed(seed)
         gc.collect()
         dist.barrier()
-        before = probe.allocated_bytes()
+        before = _allocated()
         loss = model(*batch)
         gc.collect()
-        readings.append(probe.allocated_bytes() - before)
+        readings.append(_allocated() - before)
         loss.backward()
         del loss
     clear_grads(model)
@@ -198,9 +218,11 @@ def _timing(cfg: Config, rank: int, world: int, steps: int, say) -> dict[str, li
     def step(key, seed):
         model = models[key]
         dist.barrier()
+        _allocated()  # (on CUDA: synchronized, so the step starts with the device idle)
         start = time.perf_counter()
         torch.manual_seed(seed)
         model(*batch).backward()
+        _allocated()
         dist.barrier()  # the step ends when the slowest rank's does
         seconds = time.perf_counter() - start
         clear_grads(model)
@@ -218,8 +240,11 @@ def rank_main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = spec.get("device", "cpu").startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo",
+        "nccl" if cuda else "gloo",
         init_method=spec["init_method"],
         rank=rank,
         world_size=world,
@@ -242,7 +267,8 @@ def rank_main(spec_json: str) -> None:
         if "checks" in spec["phases"]:
             mine["checks"] = _checks(cfg, rank, world, say)
         if "timing" in spec["phases"]:
-            probe.keep_freed_memory()
+            if not cuda:
+                probe.keep_freed_memory()
             mine["timing"] = _timing(cfg, rank, world, spec["steps"], say)
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
@@ -257,19 +283,27 @@ def rank_main(spec_json: str) -> None:
 # --- in the launching process ---------------------------------------------------------------
 
 
-def check_settings(cfg: Config, steps: int, world: int) -> None:
+def check_settings(cfg: Config, steps: int, world: int, device: str = "cpu") -> None:
     """Raise a ValueError (or ProbeUnavailable) saying what cannot run, before any rank starts."""
     cfg.check()
     if steps < 1:
         raise ValueError(f"steps must be at least 1 to have a time to report, got {steps}")
-    if world < 2:
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible here; run --fsdp2 on the CPU")
+        if not 1 <= world <= torch.cuda.device_count():
+            raise ValueError(
+                f"--ranks {world} on CUDA needs a GPU per rank, and {torch.cuda.device_count()} are visible"
+            )
+    elif world < 2:
         raise ValueError(f"--ranks must be at least 2 for FSDP2 to shard anything, got {world}")
     if cfg.batch % world:
         raise ValueError(
             f"{cfg.batch} sequences (--batch) do not split into {world} ranks' equal shares; "
             f"use a multiple of {world}."
         )
-    probe.allocated_bytes("cpu")  # raises ProbeUnavailable where the allocator cannot be read
+    if not device.startswith("cuda"):
+        probe.allocated_bytes("cpu")  # raises ProbeUnavailable where the allocator cannot be read
 
 
 def _rows(checks: list[dict], times: list[dict]) -> list[dict]:
@@ -329,16 +363,17 @@ def run(
     steps: int = STEPS,
     quick: bool = False,
     progress: TextIO | None = sys.stderr,
+    device: str = "cpu",
 ) -> dict:
     """Start the ranks twice (checks with Python objects counted, then timing) and return every
     figure. ``quick``: ``QUICK``, at most two timed steps, the ranks started once."""
     if quick:
         cfg, steps = QUICK, min(steps, 2)
-    check_settings(cfg, steps, world)
+    check_settings(cfg, steps, world, device)
     say = Progress(progress)
     start = time.perf_counter()
     load = os.getloadavg()[0]
-    spec = {"config": asdict(cfg), "steps": steps}
+    spec = {"config": asdict(cfg), "steps": steps, "device": device}
     go = functools.partial(
         launch, "benchmarks.fsdp2", world=world, say=say, what="--fsdp2", timeout=TIMEOUT_S
     )
@@ -359,7 +394,12 @@ def run(
         "steps": steps,
         "threads_per_rank": 1,
         "torch": torch.__version__,
-        "probe": f"{probe.describe('cpu')}, ranks run with PYTHONMALLOC=malloc, max over ranks",
+        "device": device if device == "cpu" else f"{device} ({torch.cuda.get_device_name()})",
+        "probe": (
+            "torch.cuda.memory_allocated, max over ranks"
+            if device.startswith("cuda")
+            else f"{probe.describe('cpu')}, ranks run with PYTHONMALLOC=malloc, max over ranks"
+        ),
         "timing_allocator": (
             "PYTHONMALLOC=malloc (--quick: timed in the checks' ranks)"
             if quick
@@ -371,6 +411,11 @@ def run(
         "load_average_before": load,
         "cpus": os.cpu_count(),
     }
+
+
+def _where(result: dict) -> str:
+    device = result.get("device", "cpu")
+    return "gloo, CPU" if device == "cpu" else f"NCCL, {device}"
 
 
 def _ratio(x: float | None) -> str:
@@ -407,8 +452,8 @@ def format_report(result: dict) -> str:
         f"model: GPT, {cfg['layers']} blocks (attention + MoE, {cfg['experts']} experts top "
         f"{cfg['top_k']}), dim {cfg['dim']}, {cfg['batch']} x {cfg['seq']} tokens split over the ranks; "
         "fully_shard per block then the model, each block checkpointed before fully_shard",
-        f"{result['world_size']} ranks (gloo, CPU), {result['threads_per_rank']} thread each, torch "
-        f"{result['torch']}; {result['steps']} timed steps per variant (forward + backward); memory: "
+        f"{result['world_size']} ranks ({_where(result)}), {result['threads_per_rank']} CPU thread each, "
+        f"torch {result['torch']}; {result['steps']} timed steps per variant (forward + backward); memory: "
         f"{result['probe']}; timing allocator: {result['timing_allocator']}",
         f"one block's unsharded parameters: {mib(result['variants'][0]['block_bytes'])} (a region keeping "
         "them alive would hold that much more than its torch row); 'vs torch': to the torch row doing the "

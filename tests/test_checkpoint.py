@@ -312,6 +312,41 @@ def test_a_storage_swapped_in_after_forward_is_refused_and_writes_through_data_a
     assert torch.allclose(got, expected)
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["recorded", "warm"])
+def test_a_storage_swapped_in_inside_the_region_between_two_reads_is_refused(warm):
+    """``w.data = other`` between two reads of ``w`` inside the region (a module hook that
+    swaps a parameter's storage, as DeepSpeed's ZeRO-3 gathers do): replay of the first read
+    once took the new storage, silently (the address was taken at the region's end); now the
+    storage each outside tensor had when the region first read it is what replay checks, on a
+    recorded call and on a warm one (the swap is no op: the template cannot see it), and the
+    region's end, which plans replay, refuses it."""
+    from tracedac.record import warm as warm_path
+
+    def f(x, w, other):
+        y = (x @ w).tanh()
+        if other is not None:
+            w.data = other
+        return (y @ w).tanh()
+
+    region = checkpoint(f)
+    x = torch.randn(4, 4, requires_grad=True)
+    before = warm_path.stats()["warm"]
+    previous = warm_path.enable(warm)
+    try:
+        for _ in range(2):  # the first call records; with the warm path the second runs warm
+            w = nn.Parameter(torch.randn(4, 4))
+            region(x, w, None).sum().backward()
+        w = nn.Parameter(torch.randn(4, 4))
+        # refused where the region ends: its replay plan is made there, and needs the first read
+        with pytest.raises(
+            CheckpointError, match="argument 1 .*given another storage after the forward read it"
+        ):
+            region(x, w, torch.randn(4, 4))
+    finally:
+        warm_path.enable(previous)
+    assert (warm_path.stats()["warm"] > before) == warm
+
+
 def test_an_input_autograd_saved_and_changed_after_forward_is_refused():
     x = torch.randn(4, 4)
     w = torch.randn(4, 4, requires_grad=True)

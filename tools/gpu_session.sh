@@ -1,38 +1,40 @@
 #!/usr/bin/env bash
-# One GPU session's measurements (issues 32 and 30), in about 8 minutes on one H100.
+# One GPU session's measurements (issue 49), in about 8 minutes on one H100.
 #
 #   OUT=/some/dir tools/gpu_session.sh        # on the GPU machine, from the repository root
+#   DEVICE=cpu OUT=/tmp/dry tools/gpu_session.sh   # the dry run: every stage at --quick sizes
 #
 # GPU machines are lent now and then for about 15 minutes, starts included, so everything the
-# issues measure on a GPU runs here, once, each stage under its own time limit so that one stage
-# that hangs or fails costs only itself. Stages, in order of what a user deciding on tracedac
-# reads first:
-#   llama      python -m benchmarks --llama --device cuda: eager, compiled and offload rows
-#   kernels    python -m benchmarks --kernels: pack_cast / accumulate_ across unit sizes
-#   zero       python -m benchmarks --zero --device cuda (one rank, NCCL); with --compile last
-#   gpu tests  the test files that use a CUDA device when one is visible
-#   replay_bits  (not in the default STAGES, which fill a session already: name it) the CUDA tests
-#              of tests/test_compiled_replay_bits.py (issue 46): under the defaults
+# issue measures on a GPU runs here, once, each stage under its own time limit so that one stage
+# that hangs or fails costs only itself. The default stages, in the issue's order:
+#   llama      (item 1) python -m benchmarks --llama --device cuda, the eager set: no checkpoint,
+#              torch's checkpoint, torch selective, tracedac recompute_all and save_matmuls (warm,
+#              and every call recorded: the warm path off), op by op and with compiled replay,
+#              memory_budget(0.5). Look for: step ms and peak of each row; the ratios printed.
+#   llama7b    (item 1) the same at the 7B-class layer shape (--llama-shape 7b: dim 4096, 4
+#              layers, 8 x 2048 tokens, bf16).
+#   profile    (item 1) the forward's floors: plain, torch, empty dispatch mode, least recorder,
+#              tracedac recorded and warm (python -m benchmarks --profile --llama), then at 7b.
+#   replay_bits  (item 2) tests/test_compiled_replay_bits.py's CUDA tests: under the defaults
 #              (compiled replay on for CUDA, exact fusion) gradients bitwise equal to no
-#              checkpointing, and each op exact fusion compiles exact on special values in Triton.
-#              Look for: all passed. A failure naming "refused:inexact" or differing gradients
-#              means exact fusion is not exact on this GPU: the CUDA default must then replay op
-#              by op (docs/design.md, "Compiled replay: bits").
-#   replay_fusion  (not in the default STAGES: name it) the cost of exact fusion: --llama's
-#              recompute_all and save_matmuls rows op by op, compiled (exact fusion, the default)
-#              and compiled fusing all (the _all rows: what the 0.84x / 0.82x of docs/gpu.md
-#              measured), in turns in one run. Look for: step ms of "compiled replay" against
-#              "compiled replay fusing all" and "op by op"; max |grad diff| 0 except the _all rows.
-#   profile    python -m benchmarks --profile --llama --device cuda
-#   zero_profile  tools/zero_profile.py: a compiled ZeRO bf16 "auto" step against FSDP2's under
-#              the same autocast, one rank, under torch.profiler (not in the default STAGES:
-#              name it; it answers why run 4's compiled "auto" took 1.22x FSDP2's step)
-# and, the whole time, in the background on the other half of the cores, the suite with the GPU
-# hidden (what the GPU tests above do not cover), so that it does not disturb the timings.
+#              checkpointing, per model and dtype. A failure naming "refused:inexact" or
+#              differing gradients: exact fusion is not exact on this GPU (docs/design.md,
+#              "Compiled replay: bits").
+#   peak       (item 3) python -m benchmarks --peak --device cuda: policies.peak at 8 budgets,
+#              torch.cuda.max_memory_allocated against each budget, step time against torch's
+#              options (eager, and compiled under activation_memory_budget) at equal peak.
+#   fsdp2      (item 4) python -m benchmarks --fsdp2 --device cuda: one NCCL rank, each block
+#              checkpointed by torch or tracedac inside fully_shard; held bytes and step time.
+#   zero_profile  (item 5) tools/zero_profile.py: a compiled ZeRO bf16 "auto" step against
+#              FSDP2's under the same autocast, one rank, under torch.profiler.
+#   gpu_tests  the test files that use a CUDA device when one is visible
+# and (item 6), the whole time, in the background on the other half of the cores, the suite with
+# the GPU hidden (--dist loadscope), so that it does not disturb the timings.
+# Named only (earlier issues' stages): llama_compiled, kernels, zero, zero_compile, replay_fusion.
 # Every log and JSON lands in a temporary work/ folder; $OUT/results.tgz holds them all, remade
 # after each stage, beside $OUT/session.log (the device tool brings back at most 8 files). The
-# stages' limits add up to 665 s; the suite in the background has 520 s, verbose, so that a run
-# stopped at its limit still names its failures (run 3, on 8 cores: 98 % of it in 520 s).
+# default stages' limits add up to 520 s; the suite in the background has 470 s, verbose, so
+# that a run stopped at its limit still names its failures.
 #
 # A later session that needs only some stages names them, with the suite's share of the cores:
 #   STAGES="kernels gpu_tests zero_compile" SUITE_CORES=10 SUITE_LIMIT=550 EXTRA="python3 x.py" \
@@ -40,7 +42,7 @@
 # (EXTRA: one more command, run as the stage "extra" after kernels, 60 s.)
 set -u
 OUT=${OUT:-gpu-out}
-STAGES=" ${STAGES:-llama llama_compiled kernels zero gpu_tests profile zero_compile} ${EXTRA:+extra }"
+STAGES=" ${STAGES:-llama llama7b profile replay_bits peak fsdp2 zero_profile gpu_tests} ${EXTRA:+extra }"
 DEV=${DEVICE:-cuda}  # DEVICE=cpu: a dry run of every stage at the benchmarks' --quick sizes
 if [ "$DEV" = cpu ]; then QUICK=--quick CFG=l.QUICK; else QUICK= CFG=l.CUDA; fi
 W=$(mktemp -d)/work  # outside $OUT: the device tool brings back 8 files at most
@@ -48,7 +50,7 @@ mkdir -p "$W" "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 CORES=$(nproc)
 SUITE_CORES=${SUITE_CORES:-$((CORES / 2))}
-SUITE_LIMIT=${SUITE_LIMIT:-520}
+SUITE_LIMIT=${SUITE_LIMIT:-470}
 FIRST_BG=$((CORES - SUITE_CORES))
 FG="0-$((FIRST_BG - 1))"
 BG="$FIRST_BG-$((CORES - 1))"
@@ -102,14 +104,26 @@ SLOW_FIRST="tests/zero/test_tp.py tests/zero/test_soak.py tests/integrations tes
 ) &
 SUITE=$!
 
-EAGER=none,torch,torch_sac,tracedac_recompute_all,tracedac_compiled_replay,tracedac_save_matmuls,\
-tracedac_save_matmuls_cr,tracedac_budget,tracedac_budget_cr,save_on_cpu,torch_sac_offload,\
-tracedac_offload_matmuls,tracedac_offload_all,tracedac_offload_everything,torch_ckpt_save_on_cpu,\
-tracedac_offload_inputs,tracedac_budget_offload,tracedac_tight,tracedac_tight_offload
-stage llama 120 python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 --only "$EAGER" --json "$W/llama.json"
-# Compiled, each layer its own graph (torchtitan's way): the issue's 8 layers, one graph for all
-# of them (tracedac regions compile once, like torch's checkpoint, since 841eba6 named them by class),
-# beside the eager references at the same size.
+# item 1: the eager set, warm (the default) and every call recorded, op by op and compiled replay
+EAGER=none,torch,torch_sac,tracedac_recompute_all,tracedac_recompute_all_recorded,tracedac_compiled_replay,\
+tracedac_save_matmuls,tracedac_save_matmuls_recorded,tracedac_save_matmuls_cr,tracedac_budget
+stage llama 60 python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 --only "$EAGER" --json "$W/llama.json"
+SHAPE7B=--llama-shape=7b
+[ "$DEV" = cpu ] && SHAPE7B=  # (the dry run: the 7B shape is 13 GB of weights in fp32 on the CPU)
+stage llama7b 75 python3 -m benchmarks --llama --device $DEV $QUICK $SHAPE7B --steps 4 --only "$EAGER" \
+  --json "$W/llama7b.json"
+stage profile 60 bash -c "python3 -m benchmarks --profile --llama --device $DEV $QUICK --json $W/profile.json &&
+  python3 -m benchmarks --profile --llama --device $DEV $QUICK $SHAPE7B --json $W/profile7b.json"
+# item 2: bitwise replay on CUDA (each test compiles one structure: seconds each)
+stage replay_bits 80 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_compiled_replay_bits.py
+# item 3: whole-model budgets, read by torch.cuda.max_memory_allocated
+stage peak 80 python3 -m benchmarks --peak --device $DEV $QUICK --json "$W/peak.json"
+# item 4: tracedac regions inside FSDP2, one NCCL rank (the dry run: two gloo ranks)
+stage fsdp2 45 python3 -m benchmarks --fsdp2 --device $DEV $QUICK --json "$W/fsdp2.json"
+# item 5: compiled ZeRO bf16 "auto" against FSDP2 under the same autocast
+stage zero_profile 80 python3 tools/zero_profile.py --device $DEV ${QUICK:+--tiny --steps 3}
+stage gpu_tests 40 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS
+# named only: the stages of earlier issues
 COMPILED=none,torch,tracedac_recompute_all,c_torch,c_torch_sac,c_budget_torch,c_tracedac_recompute_all,\
 c_tracedac_save_matmuls,c_tracedac_budget
 stage llama_compiled 170 python3 -c "
@@ -124,19 +138,11 @@ stage kernels 40 python3 -m benchmarks --kernels $QUICK --json "$W/kernels.json"
 stage extra 60 bash -c "${EXTRA:-}"
 ZERO_SIZE="--layers 2 --dim 1024 --heads 16 --experts 8 --expert-hidden 2048 --seq 512 --batch 8"
 stage zero 45 python3 -m benchmarks --zero --device $DEV $QUICK $ZERO_SIZE --json "$W/zero.json"
-stage gpu_tests 50 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS
-# issue 46: bitwise replay on CUDA (each test compiles one structure: seconds each, hence its own stage)
-stage replay_bits 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_compiled_replay_bits.py
 FUSION=none,torch,tracedac_recompute_all,tracedac_compiled_replay,tracedac_compiled_replay_all,\
 tracedac_save_matmuls,tracedac_save_matmuls_cr,tracedac_save_matmuls_cr_all
 stage replay_fusion 150 python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 --only "$FUSION" \
   --json "$W/llama_fusion.json"
-stage profile 40 python3 -m benchmarks --profile --llama --device $DEV $QUICK --json "$W/profile.json"
-# last: it compiles the most (each tracedac block, both precisions, and FSDP2's; since 2026-11-27
-# it compiles on the image's torch 2.11 rather than refusing, so it needs the time: about five
-# inductor compiles of a MoE block, forward and backward)
 stage zero_compile 200 python3 -m benchmarks --zero --compile --device $DEV $QUICK $ZERO_SIZE --json "$W/zero_compile.json"
-stage zero_profile 150 python3 tools/zero_profile.py --device $DEV ${QUICK:+--tiny --steps 3}
 say "waiting for the background suite"
 wait "$SUITE"
 say "suite (GPU hidden): $(tail -2 "$W/suite_cpu.log" | tr '\n' ' ')"

@@ -382,7 +382,7 @@ class Region:
             live = g.held if g.held is not None else g.external
             if live is not None:
                 g.version = live._version
-                if live is g.external:
+                if live is g.external and g.address is None:  # (the recorder took it at first sight)
                     g.address = storage_address(live)
         self._hand_inputs_to_parent()
         # What replay must be able to build: every handle not kept, and every kept one the

@@ -51,6 +51,7 @@ def convert(warm, region, i: int, extra: OpEvent | None = None) -> None:
         x = warm.ext.get(gid)
         if x is not None:
             g.external = x
+            g.address = warm.first_address(gid)
             g.nbytes = x.untyped_storage().nbytes()  # (its storage, as this call's recorder would see it)
         if creator is not None:
             g.creator = nodes[creator]

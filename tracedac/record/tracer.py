@@ -225,6 +225,7 @@ class TracerMode(TorchDispatchMode):
         check_replayable(t)
         g = self._new_group(t)
         g.external = t
+        g.address = _address(t)  # (a storage swapped in later, even in the region, is seen: replay/plan.py)
         return g
 
     def _new_group(self, t: torch.Tensor) -> Group:

@@ -735,6 +735,7 @@ class WarmMode(TorchDispatchMode):
             if kind == "external":
                 x = g.external = ext[gid]
                 g.version = x._version
+                g.address = self.first_address(gid)
             elif kind == "held":
                 h = held[gid]
                 if h is self.raw.get(gid):
@@ -754,6 +755,15 @@ class WarmMode(TorchDispatchMode):
         self.entry.misses = 0
         self.close()
         return True
+
+    def first_address(self, gid: int) -> int | None:
+        """The storage address outside group ``gid`` had at its first sight in this call (what
+        replay checks the tensor's storage against: one swapped in since, even within the
+        region, is refused there rather than read)."""
+        for a, g in self.addr.items():
+            if g == gid:
+                return a
+        return None
 
     def _owners_agree(self, t) -> bool:
         """Whether ``REBUILDERS`` claim the same outside tensors the template's end saw claimed."""

@@ -36,8 +36,9 @@ def _live(graph: RegionGraph, g: Group):
 
 
 def _swapped(g: Group) -> bool:
-    """Whether an outside tensor's storage was replaced since the region ended (``p.data = x``,
-    ``set_``): the tensor's version counter does not move, its storage does."""
+    """Whether an outside tensor's storage was replaced since the region first read it
+    (``p.data = x``, ``set_``, in the region or after it): the tensor's version counter does not
+    move, its storage does."""
     return g.address is not None and storage_address(g.external) != g.address
 
 
@@ -84,11 +85,11 @@ def _unavailable(graph: RegionGraph, g: Group) -> Exception:
     if g.external is not None and _swapped(g):
         return CheckpointError(
             f"{graph.namer(g.external)}, which region {graph.name!r} read, was given another "
-            "storage after the forward (its .data assigned, or set_), and backward needs the value "
-            "the forward saw to replay the ops that read it; the tensor's version counter does not "
-            "show such a change, so nothing else would notice. Assign after backward, or update "
-            "it in place under torch.no_grad() (a write the version counter sees: refused, or "
-            "replayed from a kept value)."
+            "storage after the forward read it (its .data assigned, or set_, later in the region or "
+            "after it), and backward needs the value the forward saw to replay the ops that read "
+            "it; the tensor's version counter does not show such a change, so nothing else would "
+            "notice. Assign after backward, or update it in place under torch.no_grad() (a write "
+            "the version counter sees: refused, or replayed from a kept value)."
         )
     if g.external is not None:
         return CheckpointError(
