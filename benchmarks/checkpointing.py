@@ -17,7 +17,10 @@ everywhere and gradients are comparable element by element. Figures per variant:
   own bookkeeping. It is read at the allocator (glibc ``mallinfo2`` on CPU,
   ``torch.cuda.memory_allocated`` on CUDA), never from tracedac's accounting, and in a
   child interpreter run with ``PYTHONMALLOC=malloc`` so that Python objects (a recorded
-  graph, a checkpoint's closures) are counted beside tensors; see ``_checks_in_child``.
+  graph, a checkpoint's closures) are counted beside tensors; see ``_checks_in_child``. The
+  least of three forwards of one batch and seed: a step's holding, not what a first call
+  builds once and keeps (tracedac's templates for repeated regions, ~250 KiB for each MoE
+  block while its routing keeps changing, made in the forwards that record them).
   The part of it that is Python objects is measured with ``tracemalloc`` in a forward of
   its own and shown beside it.
 - **max |grad difference|**: the largest absolute difference, over every element of every
@@ -113,19 +116,22 @@ def _max_grad_difference(grads: dict[str, torch.Tensor], reference: dict[str, to
     return max(float((grads[n] - reference[n]).abs().max()) for n in reference)
 
 
-def _held_after_forward(model: GPT, batch, seed: int, device: torch.device) -> int:
-    """Allocator bytes the forward left allocated while its loss is alive (see module doc)."""
+def _held_after_forward(model: GPT, batch, seed: int, device: torch.device, repeats: int = 3) -> int:
+    """Allocator bytes the forward left allocated while its loss is alive, the least of
+    ``repeats`` forwards (see module doc)."""
+    readings = []
+    for _ in range(repeats):
+        clear_grads(model)
+        torch.manual_seed(seed)
+        gc.collect()
+        before = probe.allocated_bytes(device)
+        loss = model(*batch)
+        gc.collect()
+        readings.append(probe.allocated_bytes(device) - before)
+        loss.backward()
+        del loss
     clear_grads(model)
-    torch.manual_seed(seed)
-    gc.collect()
-    before = probe.allocated_bytes(device)
-    loss = model(*batch)
-    gc.collect()
-    held = probe.allocated_bytes(device) - before
-    loss.backward()
-    del loss
-    clear_grads(model)
-    return held
+    return min(readings)
 
 
 def _python_held_after_forward(model: GPT, batch, seed: int) -> int:

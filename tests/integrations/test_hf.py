@@ -68,7 +68,8 @@ def test_each_architecture_gives_torch_checkpoints_gradients_and_holds_its_bytes
     """Gradients bitwise equal to torch's checkpoint run by transformers (which is itself
     equal to no checkpointing up to float32 rounding: GPT-2's tied embedding and T5's shared
     one add their gradients in another order once backward runs by layer), and the bytes
-    held after the forward within 5 % of torch's."""
+    held after the forward at most torch's + 5 % (one-sided: in a whole-suite run torch's own
+    reading once came out 70 KiB above its usual, 356 against 285 KiB, tracedac's at 285)."""
     model, inputs = build(kind), batch(4, 64)
     plain = grads(model, inputs)
     model.activation_checkpointing_enable()
@@ -80,7 +81,7 @@ def test_each_architecture_gives_torch_checkpoints_gradients_and_holds_its_bytes
         torch.testing.assert_close(a, c)
     if kind in ("llama", "mixtral", "qwen2_moe", "bert"):
         assert all(torch.equal(a, c) for a, c in zip(got, plain))
-    assert abs(held - torch_held) <= 0.05 * torch_held, (held, torch_held)
+    assert held <= 1.05 * torch_held, (held, torch_held)
 
 
 @needs_switch
