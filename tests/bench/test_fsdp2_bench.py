@@ -13,6 +13,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from benchmarks import fsdp2
 from benchmarks.__main__ import main
@@ -81,6 +82,11 @@ def test_each_goal_is_printed_with_its_verdict(quick):
         (["--fsdp2", "--quick", "--ranks", "1"], "at least 2 for FSDP2 to shard anything"),
         (["--fsdp2", "--batch", "3"], "do not split into 2 ranks' equal shares"),
         (["--ranks", "2"], "--ranks is for --ep and --fsdp2"),
+        pytest.param(
+            ["--fsdp2", "--quick", "--device", "cuda"],
+            "no CUDA device is visible here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible"),
+        ),
     ],
 )
 def test_settings_that_cannot_run_are_refused_before_any_rank_starts(capsys, argv, message):
