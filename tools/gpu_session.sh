@@ -107,21 +107,21 @@ SUITE=$!
 # item 1: the eager set, warm (the default) and every call recorded, op by op and compiled replay
 EAGER=none,torch,torch_sac,tracedac_recompute_all,tracedac_recompute_all_recorded,tracedac_compiled_replay,\
 tracedac_save_matmuls,tracedac_save_matmuls_recorded,tracedac_save_matmuls_cr,tracedac_budget
-stage llama 60 python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 --only "$EAGER" --json "$W/llama.json"
+stage llama 55 python3 -m benchmarks --llama --device $DEV $QUICK --steps 5 --only "$EAGER" --json "$W/llama.json"
 SHAPE7B=--llama-shape=7b
 [ "$DEV" = cpu ] && SHAPE7B=  # (the dry run: the 7B shape is 13 GB of weights in fp32 on the CPU)
-stage llama7b 75 python3 -m benchmarks --llama --device $DEV $QUICK $SHAPE7B --steps 4 --only "$EAGER" \
+stage llama7b 70 python3 -m benchmarks --llama --device $DEV $QUICK $SHAPE7B --steps 4 --only "$EAGER" \
   --json "$W/llama7b.json"
-stage profile 60 bash -c "python3 -m benchmarks --profile --llama --device $DEV $QUICK --json $W/profile.json &&
+stage profile 55 bash -c "python3 -m benchmarks --profile --llama --device $DEV $QUICK --json $W/profile.json &&
   python3 -m benchmarks --profile --llama --device $DEV $QUICK $SHAPE7B --json $W/profile7b.json"
 # item 2: bitwise replay on CUDA (each test compiles one structure: seconds each)
-stage replay_bits 80 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_compiled_replay_bits.py
+stage replay_bits 70 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_compiled_replay_bits.py
 # item 3: whole-model budgets, read by torch.cuda.max_memory_allocated
 stage peak 80 python3 -m benchmarks --peak --device $DEV $QUICK --json "$W/peak.json"
 # item 4: tracedac regions inside FSDP2, one NCCL rank (the dry run: two gloo ranks)
-stage fsdp2 45 python3 -m benchmarks --fsdp2 --device $DEV $QUICK --json "$W/fsdp2.json"
+stage fsdp2 40 python3 -m benchmarks --fsdp2 --device $DEV $QUICK --json "$W/fsdp2.json"
 # item 5: compiled ZeRO bf16 "auto" against FSDP2 under the same autocast
-stage zero_profile 80 python3 tools/zero_profile.py --device $DEV ${QUICK:+--tiny --steps 3}
+stage zero_profile 110 python3 tools/zero_profile.py --device $DEV ${QUICK:+--tiny --steps 3}
 stage gpu_tests 40 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS
 # named only: the stages of earlier issues
 COMPILED=none,torch,tracedac_recompute_all,c_torch,c_torch_sac,c_budget_torch,c_tracedac_recompute_all,\
