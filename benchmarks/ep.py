@@ -43,10 +43,8 @@ joined by a file rendezvous in a temporary directory, each bounded by a timeout.
 from __future__ import annotations
 
 import copy
-import datetime
 import functools
 import gc
-import json
 import math
 import os
 import statistics
@@ -70,7 +68,6 @@ from . import probe
 from .child import (
     Progress,
     clear_grads,
-    leave_ranks,
     mib,
     table,
     target,
@@ -79,7 +76,7 @@ from .child import (
 )
 from .collectives import CollectiveCounter
 from .model import Config
-from .ranks import launch
+from .ranks import launch, serve
 
 __all__ = ["QUICK", "RANKS", "STEPS", "VARIANTS", "EPModel", "check_settings", "format_report", "run"]
 
@@ -344,47 +341,9 @@ def _timing(cfg: Config, rank: int, world: int, steps: int, say) -> dict[str, li
 
 
 def rank_main(spec_json: str) -> None:
-    """A rank's entry point (``_launch`` starts it): ``spec`` names the phases ("checks",
-    "timing" or both, in that order), the config and the rendezvous; rank 0 prints every
-    rank's figures as JSON, ``{phase: figures}`` per rank."""
-    spec = json.loads(spec_json)
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(
-        "gloo",
-        init_method=spec["init_method"],
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S),
-    )
-    try:
-        cfg = Config(**spec["config"])
-        # Imported by torch on its first checkpoint otherwise; it leaves millions of objects,
-        # frozen here so that the gc.collect() before each reading and step skips them
-        # (0.35 s -> ms each).
-        from torch import _dynamo  # noqa: F401 (``import torch._dynamo`` would make ``torch`` local)
-
-        gc.collect()
-        gc.freeze()
-
-        def say(message: str) -> None:
-            if rank == 0:
-                print(f"[rank 0] {message}", file=sys.stderr, flush=True)
-
-        mine = {}
-        if "checks" in spec["phases"]:
-            mine["checks"] = _checks(cfg, rank, world, say)
-        if "timing" in spec["phases"]:
-            probe.keep_freed_memory()
-            mine["timing"] = _timing(cfg, rank, world, spec["steps"], say)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine)
-        if rank == 0:
-            json.dump(everyone, sys.stdout)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_ranks()
+    """A rank's entry point (``ranks.launch`` starts it, ``ranks.serve`` runs the phases the
+    spec names: "checks", "timing" or both; rank 0 prints every rank's figures as JSON)."""
+    serve(spec_json, Config, _checks, _timing, TIMEOUT_S)
 
 
 # --- the launcher ---------------------------------------------------------------------------

@@ -39,10 +39,8 @@ Ratios to torch are printed for each tracedac row (to the torch row doing the sa
 
 from __future__ import annotations
 
-import datetime
 import functools
 import gc
-import json
 import os
 import statistics
 import sys
@@ -59,9 +57,9 @@ import tracedac
 from tracedac.policies import MATMUL_OPS
 
 from . import probe
-from .child import Progress, clear_grads, leave_ranks, mib, table, target, target_lines, time_in_turns
+from .child import Progress, clear_grads, mib, table, target, target_lines, time_in_turns
 from .model import GPT, Config, make_batch
-from .ranks import launch
+from .ranks import launch, serve
 
 __all__ = ["QUICK", "RANKS", "STEPS", "VARIANTS", "check_settings", "format_report", "run"]
 
@@ -235,49 +233,9 @@ def _timing(cfg: Config, rank: int, world: int, steps: int, say) -> dict[str, li
 
 
 def rank_main(spec_json: str) -> None:
-    """A rank's entry point (``ranks.launch`` starts it): ``spec`` names the phases ("checks",
-    "timing" or both), the config and the rendezvous; rank 0 prints every rank's figures as JSON."""
-    spec = json.loads(spec_json)
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = spec.get("device", "cpu").startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=spec["init_method"],
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S),
-    )
-    try:
-        cfg = Config(**spec["config"])
-        # Imported by torch on its first checkpoint otherwise; frozen so that each gc.collect()
-        # before a reading or step skips its millions of objects.
-        from torch import _dynamo  # noqa: F401
-
-        gc.collect()
-        gc.freeze()
-
-        def say(message: str) -> None:
-            if rank == 0:
-                print(f"[rank 0] {message}", file=sys.stderr, flush=True)
-
-        mine = {}
-        if "checks" in spec["phases"]:
-            mine["checks"] = _checks(cfg, rank, world, say)
-        if "timing" in spec["phases"]:
-            if not cuda:
-                probe.keep_freed_memory()
-            mine["timing"] = _timing(cfg, rank, world, spec["steps"], say)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, mine)
-        if rank == 0:
-            json.dump(everyone, sys.stdout)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_ranks()
+    """A rank's entry point (``ranks.launch`` starts it, ``ranks.serve`` runs the phases the
+    spec names: "checks", "timing" or both; rank 0 prints every rank's figures as JSON)."""
+    serve(spec_json, Config, _checks, _timing, TIMEOUT_S)
 
 
 # --- in the launching process ---------------------------------------------------------------

@@ -4,12 +4,14 @@
 interpreters (``RANK`` and ``WORLD_SIZE`` in their environment, the rendezvous added to
 ``spec`` as ``init_method``), shows rank 0's progress lines (stderr lines starting with
 ``[rank 0]``) and returns the JSON rank 0 printed. A rank that fails, or a launch past its
-timeout, stops every rank and raises with the failing rank's output. (``ep.py`` has its own
-copy of this, from before it was shared.)
+timeout, stops every rank and raises with the failing rank's output. ``serve`` is a rank's
+side: the process group, the phases the spec names, rank 0's JSON.
 """
 
 from __future__ import annotations
 
+import datetime
+import gc
 import json
 import os
 import subprocess
@@ -17,9 +19,63 @@ import sys
 import tempfile
 import time
 
-from .child import ROOT
+import torch
+import torch.distributed as dist
 
-__all__ = ["launch"]
+from . import probe
+from .child import ROOT, leave_ranks
+
+__all__ = ["launch", "serve"]
+
+
+def serve(spec_json: str, make_config, checks, timing, timeout: float) -> None:
+    """A rank's entry point (``rank_main``, which ``launch`` starts): join the process group
+    (NCCL, one GPU per rank, where ``spec["device"]`` is CUDA; else gloo), then run the phases
+    ``spec["phases"]`` names, in order: ``checks(cfg, rank, world, say)``, then
+    ``timing(cfg, rank, world, steps, say)`` (on the CPU with glibc keeping freed memory,
+    ``probe.keep_freed_memory``); rank 0 prints every rank's ``{phase: figures}`` as JSON."""
+    spec = json.loads(spec_json)
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = spec.get("device", "cpu").startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=spec["init_method"],
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    try:
+        cfg = make_config(**spec["config"])
+        # Imported by torch on its first checkpoint otherwise; it leaves millions of objects,
+        # frozen here so that the gc.collect() before each reading and step skips them
+        # (0.35 s -> ms each).
+        from torch import _dynamo  # noqa: F401 (``import torch._dynamo`` would make ``torch`` local)
+
+        gc.collect()
+        gc.freeze()
+
+        def say(message: str) -> None:
+            if rank == 0:
+                print(f"[rank 0] {message}", file=sys.stderr, flush=True)
+
+        mine = {}
+        if "checks" in spec["phases"]:
+            mine["checks"] = checks(cfg, rank, world, say)
+        if "timing" in spec["phases"]:
+            if not cuda:
+                probe.keep_freed_memory()
+            mine["timing"] = timing(cfg, rank, world, spec["steps"], say)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            json.dump(everyone, sys.stdout)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_ranks()
 
 
 def launch(entry: str, spec: dict, world: int, say, *, what: str, count_python: bool, timeout: float):

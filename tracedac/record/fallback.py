@@ -45,13 +45,14 @@ def convert(warm, region, i: int, extra: OpEvent | None = None) -> None:
         n.labels = frozenset()
         nodes.append(n)
     groups = []
+    first = warm.first_addresses()
     for gid in range(n_groups):
         nbytes, device, creator, mutations = t.groups[gid]
         g = Group(gid, nbytes, device)
         x = warm.ext.get(gid)
         if x is not None:
             g.external = x
-            g.address = warm.first_address(gid)
+            g.address = first.get(gid)
             g.nbytes = x.untyped_storage().nbytes()  # (its storage, as this call's recorder would see it)
         if creator is not None:
             g.creator = nodes[creator]

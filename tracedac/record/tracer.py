@@ -116,14 +116,9 @@ def _timed(func, args, kwargs) -> tuple:
 # --- the mode ------------------------------------------------------------------------------
 
 
-class TracerMode(TorchDispatchMode):
-    """Records one region call into ``graph``.
-
-    ``region`` supplies the policy (``region.policy``, or ``region.constant`` for one that
-    never looks at nodes), where kept results go (``region.hold``), the module name table
-    and whether to track module paths, and whether to record source lines (reports only:
-    that walks the Python stack).
-    """
+class RegionMode(TorchDispatchMode):
+    """What every mode that sees a region's ops is (``TracerMode``, ``warm.WarmMode``): no
+    dynamo-disable frame around each op, and dynamo off while it is on the stack."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -150,6 +145,16 @@ class TracerMode(TorchDispatchMode):
             return super().__exit__(exc_type, exc, tb)
         finally:
             dynamo_restore(self._dynamo)
+
+
+class TracerMode(RegionMode):
+    """Records one region call into ``graph``.
+
+    ``region`` supplies the policy (``region.policy``, or ``region.constant`` for one that
+    never looks at nodes), where kept results go (``region.hold``), the module name table
+    and whether to track module paths, and whether to record source lines (reports only:
+    that walks the Python stack).
+    """
 
     def __init__(self, graph: RegionGraph, region):
         super().__init__()

@@ -33,9 +33,7 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._compat import dynamo_off, dynamo_restore
 from .decisions import effect
 from .graph import Group, Layout, TensorMeta, flatten_outputs
 from .handlers import make as make_handlers
@@ -64,7 +62,7 @@ from .template import (
     exact_arguments,
     same,
 )
-from .tracer import UNRECORDED, _generator, _local
+from .tracer import UNRECORDED, RegionMode, _generator, _local
 from .undeclared_writes import writes_now
 
 __all__ = ["WarmMode", "enable", "enabled", "stats"]
@@ -202,29 +200,11 @@ class _Diverged(Exception):
     """Internal: the call stopped following its template."""
 
 
-class WarmMode(TorchDispatchMode):
+class WarmMode(RegionMode):
     """The dispatch mode of a region call that may run warm. ``entry``: the template cache's
     entry to run (warm), or None (record, and log a template); ``slot``: ``replay.Slot``, the
     handle class (passed in: record/ sits below replay/); ``owner``: ``REBUILDERS``' lookup
     (``region._owner``), or None while there are none."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # as TracerMode: no dynamo-disable frame around each op
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return False  # as TracerMode: compiled code never runs under a recorder
-
-    def __enter__(self):
-        self._dynamo = dynamo_off()
-        return super().__enter__()
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            return super().__exit__(exc_type, exc, tb)
-        finally:
-            dynamo_restore(self._dynamo)
 
     def __init__(self, region, entry, cache_key, slot, owner):
         super().__init__()
@@ -726,6 +706,7 @@ class WarmMode(TorchDispatchMode):
                 nodes[i] = copy_node(t.nodes[i], rng)
         groups = list(t.shared)
         ext, held = self.ext, self.held
+        first = self.first_addresses() if ext else None
         for gid, kind, nbytes, device, creator, mutations in t.own:
             g = Group(gid, nbytes, device)
             if creator is not None:
@@ -735,7 +716,7 @@ class WarmMode(TorchDispatchMode):
             if kind == "external":
                 x = g.external = ext[gid]
                 g.version = x._version
-                g.address = self.first_address(gid)
+                g.address = first.get(gid)
             elif kind == "held":
                 h = held[gid]
                 if h is self.raw.get(gid):
@@ -756,14 +737,11 @@ class WarmMode(TorchDispatchMode):
         self.close()
         return True
 
-    def first_address(self, gid: int) -> int | None:
-        """The storage address outside group ``gid`` had at its first sight in this call (what
-        replay checks the tensor's storage against: one swapped in since, even within the
-        region, is refused there rather than read)."""
-        for a, g in self.addr.items():
-            if g == gid:
-                return a
-        return None
+    def first_addresses(self) -> dict:
+        """Group id -> the storage address its outside tensor had at its first sight in this
+        call (what replay checks the tensor's storage against: one swapped in since, even
+        within the region, is refused there rather than read)."""
+        return {g: a for a, g in self.addr.items()}
 
     def _owners_agree(self, t) -> bool:
         """Whether ``REBUILDERS`` claim the same outside tensors the template's end saw claimed."""
