@@ -300,17 +300,47 @@ def test_decorator_and_checkpoint_call_compile_fullgraph():
 
 def test_a_deep_copy_of_a_checkpointed_model_compiles_under_its_policy():
     """A region names its policy by id at trace time (``compile/registry.key_for``): a copied
-    policy (``copy.deepcopy`` of the model, an EMA copy) is held as the original is."""
+    policy (``copy.deepcopy`` of the model, an EMA copy) is the original's own object (equal
+    policies are one, ``policies.held.interned``), so the copy runs the original's graph."""
     import copy
 
     base = tracedac.checkpoint(
         nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16)), policy=policies.save_matmuls()
     )
     twin = copy.deepcopy(base)
-    assert twin._tracedac.policy is not base._tracedac.policy
+    assert twin._tracedac.policy is base._tracedac.policy
     (part,) = partition(twin, X.clone().requires_grad_())
     first = next(n for n in part.fw.graph.nodes if n.target is torch.ops.aten.addmm.default)
     assert first.meta.get("recompute") is CheckpointPolicy.MUST_SAVE  # save_matmuls(), as the original's
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: policies.memory_budget(0.5), policies.save_matmuls, lambda: policies.min_cut()],
+    ids=["memory_budget", "save_matmuls", "min_cut"],
+)
+def test_blocks_each_given_an_equal_policy_of_their_own_compile_once(make):
+    """``checkpoint(block, policy=memory_budget(0.5))`` block by block makes a policy per block.
+    Dynamo guards a region's code on its policy's id, and each block compiled the code again:
+    the ninth was refused under ``fullgraph=True`` (torch's recompile limit, 8), a model built
+    again compiled again. Equal policies are one object: twelve blocks, then a second model,
+    one graph."""
+    from torch._dynamo.utils import counters
+
+    def blocks():
+        m = nn.Sequential(*[Plain() for _ in range(12)])
+        for b in m:
+            tracedac.checkpoint(b, policy=make())
+            b.compile(backend=BACKEND, fullgraph=True)
+        return m
+
+    counters.clear()
+    for m in (blocks(), blocks()):
+        x = X.clone().requires_grad_()
+        m(x).square().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["recompiles"]
+    assert make() is make() and policies.peak("1GiB") is not policies.peak("1GiB")  # (peak keeps state)
 
 
 def test_checkpoint_call_without_a_policy_compiles_inside_the_compiled_code():

@@ -60,6 +60,10 @@ def _torchtitans_torch():
     finally:
         FakeTensorMode.__init__ = _FAKE_INIT
         torch._C._dynamo.eval_frame._set_lru_cache(True)  # (torch's default; AC's apply sets False)
+        # With the LRU cache off, dynamo's cache entries for the blocks compiled here keep the
+        # constants of each model they compiled (torchtitan's 8 MiB rope tables) for the rest
+        # of the process: dropped with the compiled code.
+        torch._dynamo.reset()
 
 
 @pytest.fixture(autouse=True)
@@ -231,9 +235,14 @@ def saved_activation_bytes(model, tokens) -> int:
     def pack(t):
         if t.untyped_storage().data_ptr() not in own:
             saved.append(t.nbytes)
-        return t
+        # nothing kept (this forward has no backward): a saved output packed as itself would
+        # hold its own graph node, a cycle through C++ that no collection frees
+        return None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(_):
+        raise AssertionError("saved_activation_bytes' forward has no backward")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         model(tokens)
     return sum(saved)
 

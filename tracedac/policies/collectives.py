@@ -30,6 +30,7 @@ from ..agreements import host_group
 from ..errors import CheckpointError
 from ..record.decisions import FUNCTIONAL_NAMESPACES, effect
 from ..record.tracer import unrecorded
+from .held import interning
 from .wrappers import Wrapper
 
 __all__ = ["ReplayCollectives", "check_agreement", "replay_collectives", "replayable"]
@@ -51,6 +52,7 @@ class ReplayCollectives(Wrapper):
         return f"replay_collectives({self.policy!r})"
 
 
+@interning
 def replay_collectives(policy) -> ReplayCollectives:
     """Let ``policy`` replay the functional collectives a region records: backward issues them
     again and their results are not held (``replay_collectives(recompute_all())`` holds what

@@ -6,16 +6,23 @@ object: ``compile/registry.key_for``), so every live policy made or checked is r
 id in ``HELD``: tracedac's own policy classes from birth (``Held``: made, copied by
 ``copy.deepcopy`` of a checkpointed model, or unpickled), any other policy where it is
 checked (``policies.spec.spec_of``).
+
+Equal policies are one object (``interned``): a compiled region's code is guarded on its
+policy's id, so ``memory_budget(0.5)`` made once per block would compile the block's code once
+per block (the ninth refused under ``fullgraph=True``, torch's recompile limit) and a model
+built again would compile again, its graphs keeping the old model's constants alive.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import types
 import weakref
 
 import torch
 
-__all__ = ["HELD", "Held", "check_policy", "describe_policy", "held", "hold"]
+__all__ = ["HELD", "Held", "check_policy", "describe_policy", "held", "hold", "interned", "interning"]
 
 # Weak, so a policy made each step (``memory_budget(0.3)`` inside the loop) is not kept for
 # the process; an id whose policy died may name a new one, which registers itself anew.
@@ -35,6 +42,38 @@ def hold(policy) -> None:
         _HELD_STRONG[id(policy)] = policy
 
 
+# The live policy of each value: (class, fields) -> the first policy made with them. Weak, as HELD.
+_EQUAL: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _by_value(cls) -> bool:
+    params = getattr(cls, "__dataclass_params__", None)
+    return params is not None and params.frozen and params.eq
+
+
+def interned(policy):
+    """The live policy equal to ``policy`` (``policy`` itself if it is the first). Only a
+    frozen dataclass compared by value is shared (``peak()`` keeps state: every call is its
+    own), and not while dynamo traces (a policy made there is refused: ``registry.key_for``)."""
+    if not _by_value(type(policy)) or torch.compiler.is_compiling():
+        return policy
+    key = (type(policy), tuple(getattr(policy, f.name) for f in dataclasses.fields(policy)))
+    try:
+        return _EQUAL.setdefault(key, policy)
+    except TypeError:  # a field that does not hash (a user's list): compared by identity, as before
+        return policy
+
+
+def interning(factory):
+    """A policy factory whose equal results are one object (``interned``)."""
+
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        return interned(factory(*args, **kwargs))
+
+    return make
+
+
 def held(key: int):
     """The live policy whose id is ``key``, or None."""
     policy = HELD.get(key)
@@ -51,6 +90,17 @@ class Held:
     def __setstate__(self, state) -> None:
         self.__dict__.update(state)  # (a frozen dataclass's fields: no __setattr__)
         hold(self)
+
+    def __reduce_ex__(self, protocol):
+        """A policy compared by value is copied or unpickled as the live one equal to it
+        (``interned``): a deep copy of a checkpointed model compiles with its original's code."""
+        if not _by_value(type(self)):
+            return super().__reduce_ex__(protocol)
+        return _remade, (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+
+def _remade(cls, fields: tuple):
+    return interned(cls(*fields))
 
 
 def check_policy(policy) -> None:

@@ -34,7 +34,7 @@ from ..record.decisions import (
     decision,
 )
 from ..record.op_info import MATMUL_OPS
-from .held import Held, check_policy
+from .held import Held, check_policy, interning
 from .planners import Planner
 
 __all__ = [
@@ -207,26 +207,31 @@ class Either(Held):
         return f"either({', '.join(repr(p) for p in self.policies)})"
 
 
+@interning
 def recompute_all() -> RecomputeAll:
     """The default: keep nothing computed in the region; replay what backward needs."""
     return RecomputeAll()
 
 
+@interning
 def save_all() -> SaveAll:
     """Keep everything autograd saves, as without checkpointing."""
     return SaveAll()
 
 
+@interning
 def save_ops(*ops) -> SaveOps:
     """Keep the results of these ops, e.g. ``save_ops(torch.ops.aten.mm, torch.ops.aten.bmm.default)``."""
     return SaveOps(_ops("save_ops", ops))
 
 
+@interning
 def save_matmuls() -> SaveOps:
     """Keep matmul and attention results (``MATMUL_OPS``); replay the cheap ops around them."""
     return SaveOps(frozenset(MATMUL_OPS))
 
 
+@interning
 def save_names(*labels: str) -> SaveNames:
     """Keep the results labelled by ``tracedac.name(tensor, label)`` with one of these labels."""
     return SaveNames(_labels("save_names", labels))
@@ -261,18 +266,21 @@ def _labels(factory: str, labels) -> frozenset:
     return frozenset(labels)
 
 
+@interning
 def offload_ops(*ops) -> OffloadOps:
     """Copy the results of these ops to host memory in the forward and back in backward,
     e.g. ``offload_ops(torch.ops.aten.mm)`` (``MUST_CPU_OFFLOAD``; see ``tracedac.offload``)."""
     return OffloadOps(_ops("offload_ops", ops))
 
 
+@interning
 def offload_names(*labels: str) -> OffloadNames:
     """Offload to host memory the results labelled by ``tracedac.name(tensor, label)`` with one
     of these labels (``MUST_CPU_OFFLOAD``)."""
     return OffloadNames(_labels("offload_names", labels))
 
 
+@interning
 def either(*policies) -> Either:
     """Keep what any of ``policies`` keeps, e.g. ``either(save_matmuls(), save_names('x'))``."""
     if not policies:

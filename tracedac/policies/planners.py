@@ -35,7 +35,7 @@ from ..errors import CheckpointError
 from ..offload.link import Link
 from ..record.decisions import MUST_RECOMPUTE, MUST_SAVE, PREFER_RECOMPUTE, effect, is_offload
 from ..record.graph import Node, RegionGraph, human_bytes, walk
-from .held import Held
+from .held import Held, interning
 from .min_cut import min_cut_keep
 from .placement import exchange, hide_bytes, placer
 
@@ -447,6 +447,7 @@ class MinCut(Planner):
         return f"min_cut({', '.join(args)})"
 
 
+@interning
 def memory_budget(budget, *, cost="flops", offload=False) -> MemoryBudget:
     """Keep at most ``budget`` and replay as little as possible (an exact 0-1 knapsack).
 
@@ -499,6 +500,7 @@ def memory_budget(budget, *, cost="flops", offload=False) -> MemoryBudget:
     return MemoryBudget(budget, cost, offload)
 
 
+@interning
 def min_cut(*, replay_matmuls: bool = False, offload=False) -> MinCut:
     """Keep the fewest bytes from which everything backward needs can be replayed (a minimum
     cut of the recorded graph, bytes as capacities). Matmuls and attention are not replayed

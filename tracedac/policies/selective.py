@@ -59,7 +59,7 @@ from ..errors import CheckpointError
 from ..record.decisions import MUST_SAVE, PREFER_RECOMPUTE
 from ..record.graph import Layout, TensorMeta
 from ..record.tracer import deciding
-from .held import Held
+from .held import Held, interning
 
 __all__ = [
     "COMPILED_FOREIGN",
@@ -241,6 +241,7 @@ def _converted(context_fn, where: str) -> int:
 _converted._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result, without importing dynamo
 
 
+@interning
 def torch_selective(policy_fn_or_list):
     """The tracedac policy for what torch's ``create_selective_checkpoint_contexts`` takes: a
     list of ops (-> ``save_ops(*ops)``, or ``recompute_all()`` if empty) or a policy function

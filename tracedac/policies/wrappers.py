@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..record.decisions import MUST_CPU_OFFLOAD, MUST_SAVE, PREFER_CPU_OFFLOAD, PREFER_SAVE, decision
-from .held import Held, check_policy, describe_policy
+from .held import Held, check_policy, describe_policy, interning
 from .per_op import recompute_all
 from .planners import planner_of
 
@@ -78,6 +78,7 @@ class OffloadInputs(Wrapper):
         return f"offload_inputs({describe_policy(self.policy)})"
 
 
+@interning
 def offload_kept(policy) -> OffloadKept:
     """Offload to host memory what ``policy`` would keep on the device, e.g.
     ``offload_kept(memory_budget(0.3))`` (what Hugging Face's ``offload=True`` maps to). Inputs
@@ -88,6 +89,7 @@ def offload_kept(policy) -> OffloadKept:
     return OffloadKept(policy)
 
 
+@interning
 def offload_inputs(policy=None) -> OffloadInputs:
     """Offload to host memory, at the region's end, the region's inputs autograd computed and
     saved (a decoder layer's input: ``layers x tokens x hidden`` bytes, what dominates memory at
