@@ -1,6 +1,7 @@
 """Whole-graph planners: the knapsack is optimal and within budget, the min cut is a minimum
 cut and feasible, plans are cached by structure, and both compose with per-op policies."""
 
+import gc
 import itertools
 import re
 import sys
@@ -374,12 +375,20 @@ def test_from_the_second_step_the_forward_holds_only_what_the_plan_keeps():
     g = checkpoint(f, policy=policies.memory_budget(0.25))
     x = torch.randn(64 * 1024, requires_grad=True)  # 256 KiB
     base = []
-    for _ in range(3):
-        base.append(allocated_bytes())
-        g(x).backward()
+    # No collection inside a step: one frees other tests' garbage (in the full suite the first
+    # step once read 24 KiB low, and the 4 inputs the plan drops 1,019,984 bytes, not 1 MiB).
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            base.append(allocated_bytes())
+            g(x).backward()
+    finally:
+        gc.enable()
     first, second, third = (h - b for h, b in zip(held, base))
-    assert second < first - 4 * 256 * 1024, (first, second)
-    assert abs(third - second) < 64 * 1024
+    noise = 64 * 1024  # the allocator's own, as between the second and third steps
+    assert second < first - 4 * 256 * 1024 + noise, (first, second)
+    assert abs(third - second) < noise
 
 
 # --- trade_off -------------------------------------------------------------------------------

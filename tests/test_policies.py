@@ -30,6 +30,54 @@ def test_policies_are_values_that_compare_hash_and_print_as_their_call():
         combined.policies = ()  # frozen
 
 
+def test_equal_policies_are_one_object_and_a_copy_or_a_load_is_that_object():
+    """Equal policies are one object (a compiled region's code is guarded on its policy's id:
+    tests/test_compile.py); ``copy.deepcopy`` and ``pickle`` give the live equal one back,
+    ops travelling by name (an aten op does not pickle). ``peak()`` keeps state: its own each."""
+    import copy
+    import pickle
+
+    def made():
+        return [
+            policies.save_matmuls(),
+            policies.save_ops(aten.mm, aten.bmm.default),
+            policies.offload_ops(aten.addmm),
+            policies.either(policies.save_names("h"), policies.memory_budget(0.5)),
+            policies.offload_kept(policies.min_cut(replay_matmuls=True)),
+            policies.offload_inputs(),
+            policies.replay_collectives(policies.save_all()),
+        ]
+
+    for p, again in zip(made(), made(), strict=True):
+        assert again is p and copy.deepcopy(p) is p and pickle.loads(pickle.dumps(p)) is p, p
+    budget = policies.peak("1GiB")
+    assert policies.peak("1GiB") is not budget and copy.deepcopy(budget) is not budget
+    # a load in a process that lacks an op the policy names says which and what to do
+    payload = pickle.dumps(policies.offload_ops(aten.addmm)).replace(b"aten.addmm", b"aten.nosop")
+    with pytest.raises(RuntimeError, match=r"names the op aten\.nosop, which this process has not"):
+        pickle.loads(payload)
+
+
+def test_a_whole_model_checkpointed_with_ops_in_its_policy_saves_and_loads(tmp_path):
+    """``torch.save(model)`` (the whole module, not its state_dict) of a model checkpointed with
+    ``save_matmuls()`` failed inside pybind11: the policy's ops, and the region's reading of the
+    policy, do not pickle. Loaded, the model runs its regions under the same policy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    checkpoint(model, policy=policies.save_matmuls())
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert loaded._tracedac.policy is model._tracedac.policy
+    x = torch.randn(4, 8)
+    for m in (model, loaded):
+        m(x).square().sum().backward()
+    for a, b in zip(model.parameters(), loaded.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    report = tracedac.saved_report(loaded, x)
+    kept = [r.op for r in report.rows if r.kind == "activation" and "save_matmuls() -> MUST_SAVE" in r.why]
+    assert kept == ["aten.addmm.default"]  # the first layer's result: the second's feeds nothing saved
+
+
 def test_every_matmul_op_comes_with_its_reason():
     assert {aten.mm, aten.bmm, aten.addmm, aten.baddbmm} <= set(policies.MATMUL_OPS)
     assert any("attention" in str(op) for op in policies.MATMUL_OPS)
@@ -219,6 +267,8 @@ def test_a_label_no_result_carries_is_warned_about_once_per_region_and_policy():
         typo(x).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        # (offload on the CPU warns once per process: whether here depends on the tests before)
+        warnings.filterwarnings("ignore", message="tracedac: a region offloads on the CPU")
         typo(x).backward()  # once
         checkpoint(block, policy=policies.save_names("attn_out"))(x).backward()  # a label that matches
         inside = policies.offload_kept(policies.either(policies.save_names("attn_out"), policies.save_all()))

@@ -93,14 +93,45 @@ class Held:
 
     def __reduce_ex__(self, protocol):
         """A policy compared by value is copied or unpickled as the live one equal to it
-        (``interned``): a deep copy of a checkpointed model compiles with its original's code."""
+        (``interned``): a deep copy of a checkpointed model compiles with its original's code.
+        Its ops travel by name (an aten op does not pickle: ``torch.save(model)`` of a model
+        checkpointed with ``save_matmuls()`` failed inside pybind11)."""
         if not _by_value(type(self)):
             return super().__reduce_ex__(protocol)
-        return _remade, (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        fields = tuple(_portable(getattr(self, f.name)) for f in dataclasses.fields(self))
+        return _remade, (type(self), fields)
+
+
+class _OpName(str):
+    """An op in a pickled policy: its qualified name (``aten.mm.default``, ``aten.mm``)."""
+
+
+def _portable(value):
+    if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _OpName(str(value))
+    if isinstance(value, (frozenset, tuple)):
+        return type(value)(_portable(v) for v in value)
+    return value
+
+
+def _live(value):
+    if isinstance(value, _OpName):
+        namespace, name, *overload = value.split(".")
+        try:
+            op = getattr(getattr(torch.ops, namespace), name)
+            return getattr(op, overload[0]) if overload else op
+        except (AttributeError, RuntimeError):
+            raise RuntimeError(
+                f"a tracedac policy being loaded names the op {value}, which this process has not "
+                f"registered: import the module that defines {namespace}::{name} before loading."
+            ) from None
+    if isinstance(value, (frozenset, tuple)):
+        return type(value)(_live(v) for v in value)
+    return value
 
 
 def _remade(cls, fields: tuple):
-    return interned(cls(*fields))
+    return interned(cls(*(_live(v) for v in fields)))
 
 
 def check_policy(policy) -> None:

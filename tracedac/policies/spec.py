@@ -76,6 +76,11 @@ class PolicySpec:
     # cache key: a policy made every step (policy=save_names(...) in the loop) is not kept by it
     value: object = None
 
+    def __reduce__(self):
+        """Pickled as its policy, read again where it is loaded (``torch.save`` of a whole
+        checkpointed model: ``value`` holds the policy's ops, which do not pickle)."""
+        return spec_of, (self.policy,)
+
     # (read by every region: worked out on first use, then kept)
     @functools.cached_property
     def timing(self) -> bool:
