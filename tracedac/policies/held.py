@@ -109,7 +109,7 @@ class _OpName(str):
 def _portable(value):
     if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return _OpName(str(value))
-    if isinstance(value, (frozenset, tuple)):
+    if type(value) in (frozenset, tuple):  # (exactly: a named tuple is built otherwise)
         return type(value)(_portable(v) for v in value)
     return value
 
@@ -125,7 +125,7 @@ def _live(value):
                 f"a tracedac policy being loaded names the op {value}, which this process has not "
                 f"registered: import the module that defines {namespace}::{name} before loading."
             ) from None
-    if isinstance(value, (frozenset, tuple)):
+    if type(value) in (frozenset, tuple):
         return type(value)(_live(v) for v in value)
     return value
 
