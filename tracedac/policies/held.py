@@ -22,7 +22,17 @@ import weakref
 
 import torch
 
-__all__ = ["HELD", "Held", "check_policy", "describe_policy", "held", "hold", "interned", "interning"]
+__all__ = [
+    "HELD",
+    "Held",
+    "check_policy",
+    "describe_policy",
+    "fields_of",
+    "held",
+    "hold",
+    "interned",
+    "interning",
+]
 
 # Weak, so a policy made each step (``memory_budget(0.3)`` inside the loop) is not kept for
 # the process; an id whose policy died may name a new one, which registers itself anew.
@@ -51,13 +61,18 @@ def _by_value(cls) -> bool:
     return params is not None and params.frozen and params.eq
 
 
+def fields_of(x) -> tuple:
+    """A dataclass instance's field values, in order (what its ``__eq__`` compares)."""
+    return tuple(getattr(x, f.name) for f in dataclasses.fields(x))
+
+
 def interned(policy):
     """The live policy equal to ``policy`` (``policy`` itself if it is the first). Only a
     frozen dataclass compared by value is shared (``peak()`` keeps state: every call is its
     own), and not while dynamo traces (a policy made there is refused: ``registry.key_for``)."""
     if not _by_value(type(policy)) or torch.compiler.is_compiling():
         return policy
-    key = (type(policy), tuple(getattr(policy, f.name) for f in dataclasses.fields(policy)))
+    key = (type(policy), fields_of(policy))
     try:
         return _EQUAL.setdefault(key, policy)
     except TypeError:  # a field that does not hash (a user's list): compared by identity, as before
@@ -98,40 +113,43 @@ class Held:
         checkpointed with ``save_matmuls()`` failed inside pybind11)."""
         if not _by_value(type(self)):
             return super().__reduce_ex__(protocol)
-        fields = tuple(_portable(getattr(self, f.name)) for f in dataclasses.fields(self))
-        return _remade, (type(self), fields)
+        return _remade, (type(self), _mapped(fields_of(self), _op_name))
 
 
 class _OpName(str):
     """An op in a pickled policy: its qualified name (``aten.mm.default``, ``aten.mm``)."""
 
 
-def _portable(value):
+def _mapped(value, leaf):
+    """``value`` with ``leaf`` applied inside its tuples and frozensets (exactly those: a named
+    tuple is built otherwise)."""
+    if type(value) in (frozenset, tuple):
+        return type(value)(_mapped(v, leaf) for v in value)
+    return leaf(value)
+
+
+def _op_name(value):
     if isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return _OpName(str(value))
-    if type(value) in (frozenset, tuple):  # (exactly: a named tuple is built otherwise)
-        return type(value)(_portable(v) for v in value)
     return value
 
 
-def _live(value):
-    if isinstance(value, _OpName):
-        namespace, name, *overload = value.split(".")
-        try:
-            op = getattr(getattr(torch.ops, namespace), name)
-            return getattr(op, overload[0]) if overload else op
-        except (AttributeError, RuntimeError):
-            raise RuntimeError(
-                f"a tracedac policy being loaded names the op {value}, which this process has not "
-                f"registered: import the module that defines {namespace}::{name} before loading."
-            ) from None
-    if type(value) in (frozenset, tuple):
-        return type(value)(_live(v) for v in value)
-    return value
+def _op(value):
+    if not isinstance(value, _OpName):
+        return value
+    namespace, name, *overload = value.split(".")
+    try:
+        op = getattr(getattr(torch.ops, namespace), name)
+        return getattr(op, overload[0]) if overload else op
+    except (AttributeError, RuntimeError):
+        raise RuntimeError(
+            f"a tracedac policy being loaded names the op {value}, which this process has not "
+            f"registered: import the module that defines {namespace}::{name} before loading."
+        ) from None
 
 
 def _remade(cls, fields: tuple):
-    return interned(cls(*(_live(v) for v in fields)))
+    return interned(cls(*_mapped(fields, _op)))
 
 
 def check_policy(policy) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .held import check_policy, hold
+from .held import check_policy, fields_of, hold
 from .planners import planner_of
 
 __all__ = ["PolicySpec", "spec_of"]
@@ -129,7 +129,7 @@ def spec_of(policy) -> PolicySpec:
 def _value(x):
     """A frozen dataclass policy as (its class, its fields' values), policies inside it in turn."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return (type(x), tuple(_value(getattr(x, f.name)) for f in dataclasses.fields(x)))
+        return (type(x), tuple(_value(v) for v in fields_of(x)))
     if isinstance(x, (tuple, list)):
         return tuple(_value(y) for y in x)
     return x
