@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 
 import torch
@@ -161,7 +162,21 @@ def run(rank, world, tmp):
         print(f"resumed after step {SAVE_AFTER}:", " ".join(f"{x:.6f}" for x in resumed))
         print(f"tokens counted per block: {counts.sum(1).tolist()} (true {world * BATCH * STEPS} each)")
         print("resume exact on every rank:", bool(flags.item()))
-    dist.destroy_process_group()
+    leave()
+
+
+def leave():
+    """Out of this rank at once, every rank past a barrier and the output flushed, without
+    ``destroy_process_group`` and the interpreter's teardown. Gloo's worker threads can let go
+    of a finished collective's tensors while the interpreter finalizes, and take the GIL to do
+    it, which aborts the process ("terminate called without an active exception", after every
+    line above was printed: once in tracedac's CI; pytorch/pytorch#179291). Destroying the
+    process groups first would prevent it, but ``destroy_process_group`` cannot here: DTensor's
+    caches hold the sharded parameters' meshes, and so the groups and their threads, past it."""
+    dist.barrier()  # no rank still talks to another
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main():
