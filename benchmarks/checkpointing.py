@@ -5,7 +5,10 @@ batch, and for every step a seed shared by all variants, so dropout draws the sa
 everywhere and gradients are comparable element by element. Figures per variant:
 
 - **step time**: median wall time (``time.perf_counter``) of forward + backward over the
-  timed steps, after one untimed step per variant. Variants take turns within each
+  timed steps, after one untimed step per variant, and for tracedac's variants as many more
+  as its warm path takes to settle (``child.settle``: on this MoE model each block logs a
+  template and falls back from it for a few calls, its routing changing the structure, then
+  records every call; a one-off cost, printed under the table). Variants take turns within each
   repetition, the first turn rotating, so drift of the machine (clock, other load) hits
   all of them alike instead of whichever ran last. The medians of the forward and of the
   backward alone are shown beside it: where a variant's extra time goes.
@@ -61,6 +64,7 @@ from .child import (
     run_child,
     sanity,
     seeded_step,
+    settle,
     table,
     target,
     target_lines,
@@ -76,6 +80,7 @@ QUICK = Config(vocab=64, layers=2, dim=32, heads=2, experts=4, top_k=2, expert_h
 # Hidden size at which the cost of tracing a forward is judged.
 TRACE_DIM = 512
 STEPS = 8  # default timed steps per variant
+UNTIMED_SEEDS = 1000  # the untimed steps' seeds start at cfg.seed + this (the timed ones: cfg.seed + rep)
 _GRAD_SEED = 1000  # the step whose gradients and token counts are compared
 
 
@@ -227,6 +232,13 @@ def _time_variants(
         seeded_step(model, batch, cfg.seed)
         clear_grads(model)
 
+    def untimed(key, i):  # seeds of their own, so routing changes as in the timed steps
+        seeded_step(models[key], batch, cfg.seed + UNTIMED_SEEDS + i)
+        clear_grads(models[key])
+
+    settled = settle(untimed, [v.key for v in VARIANTS if v.tracedac and v.key in models])
+    say(f"timing: tracedac's warm path settled after {settled} more untimed steps")
+
     def timed_step(key, rep):
         model = models[key]
         torch.manual_seed(cfg.seed + rep)
@@ -236,12 +248,12 @@ def _time_variants(
         clear_grads(model)
         return forward, backward
 
-    return time_in_turns(models, steps, timed_step, say)
+    return time_in_turns(models, steps, timed_step, say), settled
 
 
 def _compare(cfg: Config, steps: int, device: torch.device, say) -> list[dict]:
     checked = _checks_in_child(cfg, device, say)
-    split = _time_variants(cfg, steps, device, say)
+    split, settled = _time_variants(cfg, steps, device, say)
     plain = statistics.median(f + b for f, b in split["none"])
     rows = []
     for variant in VARIANTS:
@@ -250,6 +262,7 @@ def _compare(cfg: Config, steps: int, device: torch.device, say) -> list[dict]:
             "label": variant.label,
             "tracedac": variant.tracedac,
             "true_tokens": cfg.tokens * cfg.top_k * cfg.layers,
+            "untimed_steps": 1 + (settled if variant.tracedac else 0),
             **checked[variant.key],
         }
         if variant.key in split:
@@ -285,6 +298,7 @@ def _tracing(cfg: Config, forwards: int, device: torch.device, say) -> dict:
 
     for model in models.values():
         forward(model, cfg.seed)
+    settled = settle(lambda key, i: forward(models[key], cfg.seed + UNTIMED_SEEDS + i), ["traced"])
 
     def timed_forward(key, rep):
         # the loss outlives the timer: freeing its graph is not part of a forward
@@ -293,7 +307,7 @@ def _tracing(cfg: Config, forwards: int, device: torch.device, say) -> dict:
         return seconds
 
     times = time_in_turns(models, forwards, timed_forward, say, what="tracing overhead")
-    result = {"dim": cfg.dim, "forwards": forwards}
+    result = {"dim": cfg.dim, "forwards": forwards, "untimed_traced": 1 + settled}
     plain_s = result["plain_forward_s"] = statistics.median(times["plain"])
     for key in ("empty_mode", "least_recorder", "traced"):
         seconds = result[f"{key}_forward_s"] = statistics.median(times[key])
@@ -479,10 +493,18 @@ def format_report(result: dict) -> str:
         f"memory: {result['probe']}",
         "",
         *table(header, [_row_cells(r) for r in result["variants"]]),
-        "",
     ]
+    learned = max((r.get("untimed_steps", 1) for r in result["variants"] if r.get("tracedac")), default=1)
+    if learned > 1:
+        out.append(
+            f"untimed steps before the timed ones: 1 per variant, tracedac's {learned} (until its warm path "
+            "settled: a block whose structure follows its routing logs a template and falls back from it "
+            "for a few calls, then records every call; a one-off cost)"
+        )
+    out.append("")
     t = result["tracing"]
-    out.append(f"forward only at dim {t['dim']} (median of {t['forwards']} each):")
+    after = f"; tracedac's after {t['untimed_traced']} untimed" if t.get("untimed_traced", 1) > 1 else ""
+    out.append(f"forward only at dim {t['dim']} (median of {t['forwards']} each{after}):")
     for label, key, note in (
         ("plain", "plain", ""),
         (

@@ -139,6 +139,39 @@ def time_in_turns(keys, steps: int, timed_step, say, what: str = "timing") -> di
     return times
 
 
+# At most this many untimed steps for tracedac's warm path to settle (``settle``).
+SETTLE_LIMIT = 12
+
+
+def _learning() -> tuple:
+    """tracedac's warm-path counts that change only while it learns a model: templates built,
+    calls fallen back from one, keys found unwarmable (a warm call's count grows every call)."""
+    from tracedac.record import warm
+
+    stats = warm.stats()
+    return tuple(sorted((k, v) for k, v in stats.items() if k != "warm"))
+
+
+def settle(step, keys, limit: int = SETTLE_LIMIT) -> int:
+    """Untimed steps of ``keys`` (``step(key, i)`` runs one, ``i`` the round: a seed of its own,
+    so routing changes as in the timed steps), a round at a time, until a round in
+    which tracedac's warm path built no template and fell back from none; the rounds run (at
+    most ``limit``). A region whose structure repeats runs warm from its second call; one whose
+    structure follows its values (an MoE block: the routing sizes each expert's batch) logs a
+    template and falls back from it for a few calls, then records in full for good
+    (tracedac/record/template.py, ``MAX_MISSES``). Those first calls are a one-off cost of
+    learning the model: timing them would put it into a median of a handful of steps."""
+    rounds = 0
+    while rounds < limit:
+        before = _learning()
+        for key in keys:
+            step(key, rounds)
+        rounds += 1
+        if _learning() == before:
+            break
+    return rounds
+
+
 def target(name: str, value: float | None, limit: float, unit: str = "x") -> dict:
     """A target met when ``value <= limit``; undecided (``passed`` None) without a finite value."""
     passed = None if value is None or not math.isfinite(value) else value <= limit

@@ -15,8 +15,9 @@ import torch
 import tracedac
 from benchmarks import checkpointing, floors, probe
 from benchmarks.__main__ import main
-from benchmarks.child import ROOT
+from benchmarks.child import ROOT, SETTLE_LIMIT, settle
 from benchmarks.model import GPT, make_batch
+from tracedac.record import warm
 from tracedac.region import reporting
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
@@ -84,6 +85,62 @@ def test_every_variant_reports_time_memory_gradient_difference_and_tokens(quick)
         assert (ratio < 1) == (
             tracing[f"{key}_forward_s"] < tracing["plain_forward_s"]
         )  # over the plain forward
+
+
+def test_the_untimed_steps_are_reported_and_only_tracedac_takes_more_than_one(quick):
+    """How many untimed steps each variant ran before its timed ones (``child.settle``): one,
+    and for tracedac's as many as its warm path took to settle (on the quick model's two MoE
+    blocks the routing may repeat by chance, so how many is the model's business)."""
+    assert all(r["untimed_steps"] == 1 for r in quick["variants"] if not r["tracedac"])
+    assert all(1 <= rows(quick)[k]["untimed_steps"] <= 1 + SETTLE_LIMIT for k in TRACEDAC)
+    assert 1 <= quick["tracing"]["untimed_traced"] <= 1 + SETTLE_LIMIT
+
+
+class _Changing(torch.nn.Module):
+    """A block whose structure changes at every call (a slice that grows), as an MoE block's
+    does with its routing; its inputs' shapes stay, so every call finds its template. Blocks
+    started at different ``calls`` never run alike in one step (blocks that did would share
+    a template from one step to the next: tracedac's regions of one class share a key)."""
+
+    def __init__(self, calls: int = 0):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.calls = calls
+
+    def forward(self, x):  # [16, 8]
+        self.calls += 1
+        return self.lin(x)[: 1 + self.calls % 15].tanh().sum()
+
+
+def _learning() -> dict:
+    return {k: v for k, v in warm.stats().items() if k != "warm"}
+
+
+def test_settle_runs_until_a_round_teaches_the_warm_path_nothing():
+    """``settle`` stops at the first round that built no template and fell back from none: for
+    blocks whose structure changes every call, once each records every call (later calls learn
+    nothing either); for a block whose structure repeats, after its first round (it runs warm)."""
+    x = torch.randn(16, 8)
+    changing = [tracedac.checkpoint(_Changing(5 * i)) for i in range(3)]  # one class: one template first
+
+    def step(key, i):
+        for block in changing:
+            block(x).backward()
+
+    for block in changing:  # the first call, as the benchmark's one untimed step
+        block(x).backward()
+    assert 2 < settle(step, ["changing"]) < SETTLE_LIMIT
+    before = _learning()
+    for i in range(4):
+        step("changing", i)
+    assert _learning() == before
+
+    repeating = tracedac.checkpoint(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()))
+    repeating(x).sum().backward()
+    assert settle(lambda key, i: repeating(x).sum().backward(), ["repeating"]) == 1
+    fresh = tracedac.checkpoint(_Changing())
+    fresh(x).backward()
+    assert settle(lambda key, i: fresh(x).backward(), ["fresh"], limit=1) == 1  # never past the limit
 
 
 def test_the_empty_mode_baseline_runs_the_blocks_ops_through_a_mode_and_changes_nothing(monkeypatch):
