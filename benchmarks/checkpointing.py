@@ -80,7 +80,7 @@ QUICK = Config(vocab=64, layers=2, dim=32, heads=2, experts=4, top_k=2, expert_h
 # Hidden size at which the cost of tracing a forward is judged.
 TRACE_DIM = 512
 STEPS = 8  # default timed steps per variant
-UNTIMED_SEEDS = 1000  # the untimed steps' seeds start at cfg.seed + this (the timed ones: cfg.seed + rep)
+UNTIMED_SEEDS = 2000  # untimed steps' seeds from cfg.seed + this (timed: cfg.seed + rep)
 _GRAD_SEED = 1000  # the step whose gradients and token counts are compared
 
 
