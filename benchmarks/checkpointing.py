@@ -494,7 +494,7 @@ def format_report(result: dict) -> str:
         "",
         *table(header, [_row_cells(r) for r in result["variants"]]),
     ]
-    learned = max((r.get("untimed_steps", 1) for r in result["variants"] if r.get("tracedac")), default=1)
+    learned = max(r["untimed_steps"] for r in result["variants"] if r["tracedac"])  # 1 + settle's
     if learned > 1:
         out.append(
             f"untimed steps before the timed ones: 1 per variant, tracedac's {learned} (until its warm path "
@@ -503,7 +503,7 @@ def format_report(result: dict) -> str:
         )
     out.append("")
     t = result["tracing"]
-    after = f"; tracedac's after {t['untimed_traced']} untimed" if t.get("untimed_traced", 1) > 1 else ""
+    after = f"; tracedac's after {t['untimed_traced']} untimed" if t["untimed_traced"] > 1 else ""
     out.append(f"forward only at dim {t['dim']} (median of {t['forwards']} each{after}):")
     for label, key, note in (
         ("plain", "plain", ""),

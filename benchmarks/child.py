@@ -143,13 +143,12 @@ def time_in_turns(keys, steps: int, timed_step, say, what: str = "timing") -> di
 SETTLE_LIMIT = 12
 
 
-def _learning() -> tuple:
+def learning() -> dict:
     """tracedac's warm-path counts that change only while it learns a model: templates built,
     calls fallen back from one, keys found unwarmable (a warm call's count grows every call)."""
     from tracedac.record import warm
 
-    stats = warm.stats()
-    return tuple(sorted((k, v) for k, v in stats.items() if k != "warm"))
+    return {k: v for k, v in warm.stats().items() if k != "warm"}
 
 
 def settle(step, keys, limit: int = SETTLE_LIMIT) -> int:
@@ -163,11 +162,11 @@ def settle(step, keys, limit: int = SETTLE_LIMIT) -> int:
     learning the model: timing them would put it into a median of a handful of steps."""
     rounds = 0
     while rounds < limit:
-        before = _learning()
+        before = learning()
         for key in keys:
             step(key, rounds)
         rounds += 1
-        if _learning() == before:
+        if learning() == before:
             break
     return rounds
 

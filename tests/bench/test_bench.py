@@ -15,9 +15,8 @@ import torch
 import tracedac
 from benchmarks import checkpointing, floors, probe
 from benchmarks.__main__ import main
-from benchmarks.child import ROOT, SETTLE_LIMIT, settle
+from benchmarks.child import ROOT, SETTLE_LIMIT, learning, settle
 from benchmarks.model import GPT, make_batch
-from tracedac.record import warm
 from tracedac.region import reporting
 
 pytestmark = pytest.mark.slow  # the quick loop (pytest -m "not slow") leaves this file out
@@ -112,10 +111,6 @@ class _Changing(torch.nn.Module):
         return self.lin(x)[: 1 + self.calls % 15].tanh().sum()
 
 
-def _learning() -> dict:
-    return {k: v for k, v in warm.stats().items() if k != "warm"}
-
-
 def test_settle_runs_until_a_round_teaches_the_warm_path_nothing():
     """``settle`` stops at the first round that built no template and fell back from none: for
     blocks whose structure changes every call, once each records every call (later calls learn
@@ -130,10 +125,10 @@ def test_settle_runs_until_a_round_teaches_the_warm_path_nothing():
     for block in changing:  # the first call, as the benchmark's one untimed step
         block(x).backward()
     assert 2 < settle(step, ["changing"]) < SETTLE_LIMIT
-    before = _learning()
+    before = learning()
     for i in range(4):
         step("changing", i)
-    assert _learning() == before
+    assert learning() == before
 
     repeating = tracedac.checkpoint(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()))
     repeating(x).sum().backward()
